@@ -1,0 +1,62 @@
+# Two commands set everything up on a fresh machine:  make demo  and  make test.
+# Both create .venv (if missing) and install requirements.txt + effdl (editable) into it.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+RUNS   := runs
+
+.PHONY: demo test test-gpu lint reports reports-commit clean \
+        demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# On the GPU machine (torch preinstalled there): PYTHONPATH=. python3 -m pytest -m gpu
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# Every task in quick mode on embedded data, then the reports against those fresh logs.
+demo: $(STAMP)
+	@rm -rf $(RUNS)/demo-failed
+	@for t in demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu; do \
+	  $(MAKE) --no-print-directory $$t || { mkdir -p $(RUNS); touch $(RUNS)/demo-failed; echo "!! $$t failed"; }; \
+	done
+	@$(MAKE) --no-print-directory reports
+	@test ! -e $(RUNS)/demo-failed || { echo "!! some demo tasks failed (see above)"; exit 1; }
+	@echo
+	@echo "demo done: run logs in $(RUNS)/<task>/, executed reports (ipynb + html) in $(RUNS)/reports/"
+
+demo-task1:
+	@echo "== task1_loss_scaling: not written yet (issue #3)"
+demo-task2:
+	@echo "== task2_batching: not written yet (issue #4)"
+demo-task3:
+	@echo "== task3_vit_profiling: not written yet (no issue filed)"
+demo-gpt2:
+	@echo "== memory_efficient_gpt2: not written yet (issue #6)"
+demo-swiglu: $(STAMP)
+	@echo "== swiglu_checkpoint: GPU ceilings (quick)"
+	$(PY) swiglu_checkpoint/gpu_ceilings.py --quick --device cpu --out $(RUNS)/ceilings
+
+# Executed copies + HTML of every reports/*.ipynb against the demo's fresh logs.
+reports: $(STAMP)
+	$(PY) -m effdl.notebooks --results $(RUNS) --out $(RUNS)/reports
+
+# Re-execute the committed notebooks in place against the committed GPU logs.
+reports-commit: $(STAMP)
+	$(PY) -m effdl.notebooks --results reports/results --in-place
+
+clean:
+	rm -rf $(RUNS) .pytest_cache .ruff_cache

@@ -1,0 +1,58 @@
+"""FLOP counting and the hardware ceilings that FLOP/s and MFU are measured against.
+
+Datasheet peaks are leads, not ceilings: the ceilings used in reports are measured on the GPU at
+hand with :func:`measure_matmul_tflops` (a large dense GEMM) and :func:`measure_copy_bandwidth`
+(a large device-to-device copy, bytes read plus bytes written).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from effdl.profiling.timing import TimingStats, benchmark, resolve_device
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of one (m x k) @ (k x n) product: a multiply and an add per term."""
+    return 2 * m * n * k
+
+
+def tflops(flops: float, seconds: float) -> float:
+    return flops / seconds / 1e12
+
+
+def measure_matmul_tflops(
+    size: int,
+    dtype: torch.dtype,
+    device: str | torch.device | None = "auto",
+    *,
+    warmup: int = 3,
+    iters: int = 10,
+) -> tuple[float, TimingStats]:
+    """TFLOP/s of a square ``size``-cubed GEMM on random data (median of ``iters`` calls).
+
+    Random inputs, not zeros: on Hopper a GEMM of zeros runs measurably faster than real data.
+    Returns (median TFLOP/s, timing stats).
+    """
+    dev = resolve_device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(size, size, device=dev, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=dev, dtype=dtype, generator=gen)
+    out = torch.empty(size, size, device=dev, dtype=dtype)
+    stats = benchmark(lambda: torch.matmul(a, b, out=out), warmup=warmup, iters=iters, device=dev)
+    return tflops(matmul_flops(size, size, size), stats.median), stats
+
+
+def measure_copy_bandwidth(
+    nbytes: int,
+    device: str | torch.device | None = "auto",
+    *,
+    warmup: int = 3,
+    iters: int = 10,
+) -> tuple[float, TimingStats]:
+    """Memory bandwidth in GB/s (1e9 B/s) of copying ``nbytes``, counting bytes read + written."""
+    dev = resolve_device(device)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    stats = benchmark(lambda: dst.copy_(src), warmup=warmup, iters=iters, device=dev)
+    return 2 * nbytes / stats.median / 1e9, stats

@@ -1,0 +1,219 @@
+"""Wall-clock timing and peak-memory measurement that is correct on CUDA and on CPU.
+
+CUDA work is asynchronous: a host clock read right after a launch measures the launch, not the
+kernel. Here CUDA regions are timed with CUDA events recorded on the current stream and read only
+after a synchronize; CPU regions use ``time.perf_counter``. Warm-up iterations run first so that
+lazy initialisation (cuBLAS handles, autotuning, allocator growth) stays out of the numbers.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class TimingStats:
+    """Summary of repeated timings, in seconds."""
+
+    min: float
+    max: float
+    mean: float
+    median: float
+    std: float
+    n: int
+
+    @classmethod
+    def from_times(cls, times: list[float]) -> TimingStats:
+        """Summarise a non-empty list of durations (seconds)."""
+        if not times:
+            raise ValueError("TimingStats.from_times needs at least one duration")
+        return cls(
+            min=min(times),
+            max=max(times),
+            mean=statistics.fmean(times),
+            median=statistics.median(times),
+            std=statistics.pstdev(times) if len(times) > 1 else 0.0,
+            n=len(times),
+        )
+
+    def as_dict(self, prefix: str = "") -> dict[str, float | int]:
+        """Flat dict for a results record, e.g. ``{"step_s_median": ...}`` with prefix ``step_s_``."""
+        return {f"{prefix}{k}": v for k, v in asdict(self).items()}
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"``/None -> CUDA when available, else CPU; anything else is passed to torch.device."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class RegionTimer:
+    """Times many regions (e.g. every batch of an epoch) with at most one sync at the end.
+
+    On CUDA each ``start()``/``stop()`` records an event on the current stream, so the loop never
+    waits for the GPU; ``times()`` synchronizes once and converts the event pairs to seconds.
+    On CPU it reads ``perf_counter`` directly.
+    """
+
+    def __init__(self, device: str | torch.device | None = "auto") -> None:
+        self.device = resolve_device(device)
+        self._cuda = self.device.type == "cuda"
+        self._pairs: list[tuple] = []
+        self._open = None
+
+    def start(self) -> None:
+        if self._open is not None:
+            raise RuntimeError("RegionTimer.start() called twice without stop()")
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._open = ev
+        else:
+            self._open = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._open is None:
+            raise RuntimeError("RegionTimer.stop() called without start()")
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        else:
+            ev = time.perf_counter()
+        self._pairs.append((self._open, ev))
+        self._open = None
+
+    @contextmanager
+    def region(self) -> Iterator[None]:
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def times(self) -> list[float]:
+        """Durations of all closed regions, in seconds (synchronizes once on CUDA)."""
+        if self._cuda:
+            _synchronize(self.device)
+            return [a.elapsed_time(b) / 1e3 for a, b in self._pairs]
+        return [b - a for a, b in self._pairs]
+
+    def stats(self) -> TimingStats:
+        return TimingStats.from_times(self.times())
+
+
+def benchmark(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 3,
+    iters: int = 10,
+    device: str | torch.device | None = "auto",
+    setup: Callable[[], object] | None = None,
+) -> TimingStats:
+    """Time ``fn()`` ``iters`` times after ``warmup`` untimed calls.
+
+    ``setup`` (optional) runs before every call, outside the timed region (e.g. zeroing grads).
+    Each call is timed separately (CUDA events on ``device``'s current stream, or perf_counter),
+    so the stats describe single calls, not a pipelined batch of them.
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"benchmark needs iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    dev = resolve_device(device)
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    _synchronize(dev)
+    timer = RegionTimer(dev)
+    for _ in range(iters):
+        if setup is not None:
+            setup()
+        timer.start()
+        fn()
+        timer.stop()
+    return timer.stats()
+
+
+@dataclass
+class PeakMemory:
+    """Filled in by :func:`peak_memory` when its region ends."""
+
+    gib: float = float("nan")
+    bytes: int = 0
+
+
+@contextmanager
+def peak_memory(device: str | torch.device | None = "auto") -> Iterator[PeakMemory]:
+    """Peak GPU memory allocated inside the region (GiB).
+
+    Resets the peak counter on entry and reads ``max_memory_allocated`` on exit, so the number is
+    the region's own peak (including tensors that were alive when it started). On CPU the result
+    stays NaN: PyTorch keeps no allocator statistics there.
+    """
+    dev = resolve_device(device)
+    result = PeakMemory()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        yield result
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            result.bytes = torch.cuda.max_memory_allocated(dev)
+            result.gib = result.bytes / GIB
+
+
+def _git_sha() -> str:
+    # A copy of the tree without .git (e.g. on the GPU machine) gets the sha from the caller.
+    if os.environ.get("EFFDL_GIT_SHA"):
+        return os.environ["EFFDL_GIT_SHA"]
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=here, capture_output=True, text=True, timeout=5, check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here, capture_output=True, text=True, timeout=5, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def environment() -> dict[str, str | int | None]:
+    """Where a measurement was taken: GPU name (or CPU), versions, git sha, UTC time."""
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name()
+    else:
+        gpu = None
+    return {
+        "gpu": gpu,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_sha": _git_sha(),
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,147 @@
+"""Run logs: one JSON line per measurement, and loading a folder of them into pandas.
+
+A record is ``{"task", "variant", "config", "metrics", "env"}`` (DESIGN.md). Lines are written
+whole in a single ``write`` on a file opened for appending and flushed at once, so a run that
+crashes leaves every earlier line intact and no partial line behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from effdl.profiling.timing import environment
+
+REQUIRED_KEYS = ("task", "variant", "config", "metrics", "env")
+RESULTS_ENV_VAR = "EFFDL_RESULTS"
+
+
+class ResultsFormatError(ValueError):
+    """A run-log line that is not a valid record; the message names file and line."""
+
+
+def _jsonable(value: Any) -> Any:
+    """Turn tensors, numpy scalars, paths and non-finite floats into plain JSON values."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan" / "inf": JSON has no literal for them
+    return value
+
+
+def make_record(
+    task: str,
+    variant: str,
+    config: Mapping[str, Any],
+    metrics: Mapping[str, Any],
+    env: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Build one record; ``env`` defaults to :func:`effdl.profiling.timing.environment`."""
+    return {
+        "task": task,
+        "variant": variant,
+        "config": _jsonable(dict(config)),
+        "metrics": _jsonable(dict(metrics)),
+        "env": _jsonable(dict(env if env is not None else environment())),
+    }
+
+
+def append_record(path: str | os.PathLike, record: Mapping[str, Any]) -> None:
+    """Append ``record`` as one line to ``path`` (created with its folders if missing)."""
+    missing = [k for k in REQUIRED_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"record for {path} lacks keys {missing}")
+    line = json.dumps(_jsonable(dict(record)), allow_nan=False) + "\n"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        data = line.encode()
+        written = os.write(fd, data)
+        if written != len(data):  # pragma: no cover - only on a full disk
+            raise OSError(f"short write to {path}: {written} of {len(data)} bytes")
+    finally:
+        os.close(fd)
+
+
+class RunLog:
+    """Appends records of one task to one JSONL file, taking the environment once per run."""
+
+    def __init__(self, path: str | os.PathLike, task: str) -> None:
+        self.path = Path(path)
+        self.task = task
+        self.env = environment()
+
+    def log(self, variant: str, config: Mapping[str, Any], metrics: Mapping[str, Any]) -> dict:
+        record = make_record(self.task, variant, config, metrics, self.env)
+        append_record(self.path, record)
+        return record
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of one JSONL file; a malformed line raises :class:`ResultsFormatError`."""
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ResultsFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise ResultsFormatError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            missing = [k for k in REQUIRED_KEYS if k not in rec]
+            if missing:
+                raise ResultsFormatError(f"{path}:{lineno}: record lacks keys {missing}")
+            records.append(rec)
+    return records
+
+
+def _flatten(rec: Mapping[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"task": rec["task"], "variant": rec["variant"]}
+    for section in ("config", "metrics", "env"):
+        for k, v in rec[section].items():
+            row[f"{section}.{k}"] = v
+    return row
+
+
+def load_results(
+    folder: str | os.PathLike, pattern: str = "**/*.jsonl", flatten: bool = True
+) -> pd.DataFrame:
+    """Every record under ``folder`` as a DataFrame.
+
+    With ``flatten`` the nested sections become columns ``config.x``, ``metrics.y``, ``env.z``;
+    a column ``source`` names the file each row came from. An empty or missing folder raises
+    FileNotFoundError, so a report never silently shows an empty table.
+    """
+    folder = Path(folder)
+    files = sorted(folder.glob(pattern)) if folder.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"no run logs matching {pattern!r} under {folder}")
+    rows: list[dict[str, Any]] = []
+    for file in files:
+        for rec in read_records(file):
+            row = _flatten(rec) if flatten else dict(rec)
+            row["source"] = str(file.relative_to(folder))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def results_dir(default: str | os.PathLike = "results") -> Path:
+    """The results folder a report reads: ``$EFFDL_RESULTS`` if set, else ``default``."""
+    return Path(os.environ.get(RESULTS_ENV_VAR, default))
+

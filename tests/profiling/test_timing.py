@@ -1,0 +1,114 @@
+import math
+import statistics
+import time
+
+import pytest
+import torch
+
+from effdl.profiling.timing import (
+    RegionTimer,
+    TimingStats,
+    benchmark,
+    environment,
+    peak_memory,
+    resolve_device,
+)
+
+
+def test_stats_match_statistics_module():
+    times = [0.3, 0.1, 0.4, 0.1, 0.5]
+    s = TimingStats.from_times(times)
+    assert (s.min, s.max, s.n) == (0.1, 0.5, 5)
+    assert s.mean == pytest.approx(statistics.fmean(times))
+    assert s.median == pytest.approx(statistics.median(times))
+    assert s.std == pytest.approx(statistics.pstdev(times))
+    assert s.as_dict("t_")["t_median"] == s.median
+
+
+def test_stats_reject_empty():
+    with pytest.raises(ValueError, match="at least one"):
+        TimingStats.from_times([])
+
+
+def test_benchmark_cpu_measures_sleep_and_counts_calls():
+    calls = {"fn": 0, "setup": 0}
+
+    def fn():
+        calls["fn"] += 1
+        time.sleep(0.01)
+
+    def setup():
+        calls["setup"] += 1
+        time.sleep(0.02)  # outside the timed region
+
+    s = benchmark(fn, warmup=2, iters=4, device="cpu", setup=setup)
+    assert calls == {"fn": 6, "setup": 6}
+    assert s.n == 4
+    assert 0.009 < s.median < 0.02
+
+
+def test_benchmark_rejects_bad_counts():
+    with pytest.raises(ValueError, match="iters"):
+        benchmark(lambda: None, iters=0, device="cpu")
+
+
+def test_region_timer_cpu_and_misuse():
+    t = RegionTimer("cpu")
+    for d in (0.005, 0.015):
+        with t.region():
+            time.sleep(d)
+    times = t.times()
+    assert len(times) == 2 and times[0] < times[1]
+    with pytest.raises(RuntimeError):
+        t.stop()
+    t.start()
+    with pytest.raises(RuntimeError):
+        t.start()
+
+
+def test_peak_memory_is_nan_on_cpu():
+    with peak_memory("cpu") as mem:
+        torch.ones(10)
+    assert math.isnan(mem.gib)
+
+
+def test_environment_fields():
+    env = environment()
+    for key in ("gpu", "torch", "python", "git_sha", "time"):
+        assert key in env
+    assert env["torch"] == torch.__version__
+
+
+def test_environment_sha_override(monkeypatch):
+    monkeypatch.setenv("EFFDL_GIT_SHA", "abc123")
+    assert environment()["git_sha"] == "abc123"
+
+
+def test_resolve_device():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+def test_benchmark_cuda_events_time_the_kernel_not_the_launch():
+    # A GEMM that takes milliseconds: a launch-only (unsynchronized) timer would read microseconds.
+    a = torch.randn(4096, 4096, device="cuda")
+    s = benchmark(lambda: a @ a, warmup=2, iters=5, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 5
+    assert s.median == pytest.approx(wall, rel=0.3)
+
+
+@pytest.mark.gpu
+def test_peak_memory_cuda_sees_region_allocation():
+    with peak_memory("cuda") as mem:
+        x = torch.empty(256 * 1024**2, dtype=torch.uint8, device="cuda")  # 0.25 GiB
+        del x
+    assert 0.25 <= mem.gib < 0.5
+    with peak_memory("cuda") as mem2:
+        pass
+    assert mem2.gib < 0.25  # reset on entry: the earlier tensor does not count

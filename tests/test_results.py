@@ -1,0 +1,74 @@
+import json
+
+import pytest
+
+from effdl.results import (
+    ResultsFormatError,
+    RunLog,
+    append_record,
+    load_results,
+    make_record,
+    read_records,
+    results_dir,
+)
+
+ENV = {"gpu": None, "torch": "x", "python": "3", "git_sha": "s", "time": "t"}
+
+
+def test_roundtrip_and_dataframe(tmp_path):
+    path = tmp_path / "task" / "a.jsonl"
+    for i in range(3):
+        append_record(path, make_record("task", f"v{i}", {"bs": i}, {"loss": 1.0 / (i + 1)}, ENV))
+    recs = read_records(path)
+    assert [r["variant"] for r in recs] == ["v0", "v1", "v2"]
+    df = load_results(tmp_path)
+    assert list(df["config.bs"]) == [0, 1, 2]
+    assert df["metrics.loss"].iloc[2] == pytest.approx(1 / 3)
+    assert set(df["source"]) == {"task/a.jsonl"}
+
+
+def test_nonfinite_and_tensor_values_are_serialised(tmp_path):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "x.jsonl"
+    append_record(path, make_record("t", "v", {"p": tmp_path}, {"a": float("nan"), "b": torch.tensor(2.5)}, ENV))
+    rec = read_records(path)[0]
+    assert rec["metrics"] == {"a": "nan", "b": 2.5}
+    assert rec["config"]["p"] == str(tmp_path)
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps(make_record("t", "v", {}, {}, ENV))
+    path.write_text(good + "\n" + '{"task": "t", "variant"\n')
+    with pytest.raises(ResultsFormatError, match=r"bad\.jsonl:2: not valid JSON"):
+        read_records(path)
+
+
+def test_missing_keys_is_an_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"task": "t"}\n')
+    with pytest.raises(ResultsFormatError, match=r"bad\.jsonl:1: record lacks keys"):
+        read_records(path)
+    with pytest.raises(ValueError, match="lacks keys"):
+        append_record(path, {"task": "t"})
+
+
+def test_empty_folder_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no run logs"):
+        load_results(tmp_path)
+
+
+def test_runlog_appends_whole_lines(tmp_path):
+    log = RunLog(tmp_path / "r.jsonl", task="demo")
+    log.log("a", {"k": 1}, {"m": 2})
+    log.log("b", {"k": 1}, {"m": 3})
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["task"] == "demo" for line in lines)
+    assert json.loads(lines[0])["env"] == log.env
+
+
+def test_results_dir_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("EFFDL_RESULTS", raising=False)
+    assert str(results_dir("fallback")) == "fallback"
+    monkeypatch.setenv("EFFDL_RESULTS", str(tmp_path))
+    assert results_dir() == tmp_path
