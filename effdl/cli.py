@@ -48,7 +48,9 @@ def device_from_arg(arg: str) -> torch.device:
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"--device: cannot parse {arg!r} ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {arg}: CUDA is not available on this machine (use --device cpu)")
+        raise UsageError(
+            f"--device {arg}: CUDA is not available on this machine (use --device cpu)"
+        )
     return dev
 
 

@@ -45,7 +45,9 @@ def execute_notebook(
     os.environ[RESULTS_ENV_VAR] = str(results.resolve())
     try:
         nbclient.NotebookClient(
-            nb, timeout=timeout, kernel_name="python3",
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
             resources={"metadata": {"path": str(notebook.parent)}},
         ).execute()
     finally:
@@ -67,7 +69,9 @@ def execute_notebook(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--results", type=Path, required=True, help="folder of run logs (<task>/*.jsonl)")
+    p.add_argument(
+        "--results", type=Path, required=True, help="folder of run logs (<task>/*.jsonl)"
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", type=Path, help="folder for executed copies and HTML")
     where.add_argument("--in-place", action="store_true", help="overwrite reports/*.ipynb")
@@ -88,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED  {nb.name}: {type(e).__name__}: {first[-1] if first else ''}")
             failed.append(nb.name)
             continue
-        print(f"ok      {nb.name} ({time.perf_counter() - t0:.0f} s) -> "
-              + ", ".join(str(w) for w in written if w))
+        print(
+            f"ok      {nb.name} ({time.perf_counter() - t0:.0f} s) -> "
+            + ", ".join(str(w) for w in written if w)
+        )
     if failed:
         print(f"{len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

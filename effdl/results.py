@@ -103,7 +103,9 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
             except json.JSONDecodeError as e:
                 raise ResultsFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict):
-                raise ResultsFormatError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+                raise ResultsFormatError(
+                    f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}"
+                )
             missing = [k for k in REQUIRED_KEYS if k not in rec]
             if missing:
                 raise ResultsFormatError(f"{path}:{lineno}: record lacks keys {missing}")
@@ -144,4 +146,3 @@ def load_results(
 def results_dir(default: str | os.PathLike = "results") -> Path:
     """The results folder a report reads: ``$EFFDL_RESULTS`` if set, else ``default``."""
     return Path(os.environ.get(RESULTS_ENV_VAR, default))
-

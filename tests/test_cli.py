@@ -19,7 +19,9 @@ def test_format_table_aligns_union_of_columns():
 
 
 def test_require_path_names_flag_and_expectation(tmp_path):
-    with pytest.raises(UsageError, match=r"--data: .* does not exist \(expected a folder of jpgs\)"):
+    with pytest.raises(
+        UsageError, match=r"--data: .* does not exist \(expected a folder of jpgs\)"
+    ):
         require_path(tmp_path / "nope", "a folder of jpgs", "--data")
 
 
@@ -31,12 +33,17 @@ def test_device_from_arg_rejects_garbage():
 def run_script(*args):
     return subprocess.run(
         [sys.executable, str(ROOT / "swiglu_checkpoint" / "gpu_ceilings.py"), *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
 
 
 def test_example_script_quick_run_writes_log(tmp_path):
-    res = run_script("--quick", "--device", "cpu", "--dtypes", "fp32", "--sizes", "64", "--out", str(tmp_path))
+    res = run_script(
+        "--quick", "--device", "cpu", "--dtypes", "fp32", "--sizes", "64", "--out", str(tmp_path)
+    )
     assert res.returncode == 0, res.stderr
     recs = read_records(tmp_path / "ceilings.jsonl")
     assert [r["variant"] for r in recs] == ["matmul_fp32", "copy"]

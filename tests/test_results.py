@@ -30,7 +30,10 @@ def test_roundtrip_and_dataframe(tmp_path):
 def test_nonfinite_and_tensor_values_are_serialised(tmp_path):
     torch = pytest.importorskip("torch")
     path = tmp_path / "x.jsonl"
-    append_record(path, make_record("t", "v", {"p": tmp_path}, {"a": float("nan"), "b": torch.tensor(2.5)}, ENV))
+    append_record(
+        path,
+        make_record("t", "v", {"p": tmp_path}, {"a": float("nan"), "b": torch.tensor(2.5)}, ENV),
+    )
     rec = read_records(path)[0]
     assert rec["metrics"] == {"a": "nan", "b": 2.5}
     assert rec["config"]["p"] == str(tmp_path)

@@ -135,7 +135,9 @@ def benchmark(
     so the stats describe single calls, not a pipelined batch of them.
     """
     if iters < 1 or warmup < 0:
-        raise ValueError(f"benchmark needs iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+        raise ValueError(
+            f"benchmark needs iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}"
+        )
     dev = resolve_device(device)
     for _ in range(warmup):
         if setup is not None:
@@ -190,11 +192,19 @@ def _git_sha() -> str:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=here, capture_output=True, text=True, timeout=5, check=True,
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         )
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here, capture_output=True, text=True, timeout=5, check=True,
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
