@@ -1,0 +1,1 @@
+"""Data pipelines: corpora, tokenization, padding, length-bucketed sampling, packing, images."""

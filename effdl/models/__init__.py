@@ -1,0 +1,1 @@
+"""Reference model definitions (built from configs; pretrained weights only from local paths)."""

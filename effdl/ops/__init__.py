@@ -1,0 +1,1 @@
+"""Custom autograd Functions and attention kernels with PyTorch fallbacks."""
