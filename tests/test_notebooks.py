@@ -1,0 +1,86 @@
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from effdl.notebooks import REPORTS, execute_notebook, main
+from effdl.results import append_record, make_record
+
+ENV = {
+    "gpu": "Test GPU",
+    "cpu": "x",
+    "torch": "t",
+    "python": "p",
+    "git_sha": "s",
+    "time": "2026-01-01",
+}
+
+
+def fake_ceilings(folder: Path) -> None:
+    log = folder / "ceilings" / "c.jsonl"
+    for dtype, tf in [("bf16", 700.0), ("fp32", 50.0)]:
+        append_record(
+            log,
+            make_record(
+                "ceilings",
+                f"matmul_{dtype}",
+                {"op": "matmul", "dtype": dtype, "n": 64},
+                {"tflops": tf, "time_s_median": 1e-3},
+                ENV,
+            ),
+        )
+    append_record(
+        log,
+        make_record(
+            "ceilings",
+            "copy",
+            {"op": "copy", "bytes": 2**30},
+            {"gb_per_s": 3000.0, "time_s_median": 1e-3},
+            ENV,
+        ),
+    )
+
+
+@pytest.mark.slow
+def test_ceilings_notebook_executes_against_given_results(tmp_path):
+    fake_ceilings(tmp_path / "results")
+    ipynb, html = execute_notebook(
+        REPORTS / "gpu_ceilings.ipynb", tmp_path / "results", tmp_path / "out"
+    )
+    assert html.read_text().count("Test GPU") > 0
+    outputs = json.dumps(nbformat.read(ipynb, as_version=4).cells[-1].outputs)
+    assert "700" in outputs and "3000" in outputs  # the fake numbers, not the committed ones
+
+
+def test_runner_fails_cleanly_on_missing_results_folder(tmp_path, capsys):
+    assert main(["--results", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_runner_reports_failing_notebook_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("raise RuntimeError('boom')")]
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nbformat.write(nb, bad)
+    (tmp_path / "results").mkdir()
+    assert (
+        main(["--results", str(tmp_path / "results"), "--out", str(tmp_path / "out"), str(bad)])
+        == 1
+    )
+    assert not (tmp_path / "out" / "bad.ipynb").exists()
+
+
+def test_committed_notebooks_are_executed():
+    for nb_path in sorted(REPORTS.glob("*.ipynb")):
+        nb = nbformat.read(nb_path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert code and all(c.get("execution_count") for c in code), (
+            f"{nb_path.name} is not executed"
+        )
