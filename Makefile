@@ -49,6 +49,8 @@ demo-gpt2:
 demo-swiglu: $(STAMP)
 	@echo "== swiglu_checkpoint: GPU ceilings (quick)"
 	$(PY) swiglu_checkpoint/gpu_ceilings.py --quick --device cpu --out $(RUNS)/ceilings
+	@echo "== swiglu_checkpoint: recomputation benchmark (quick)"
+	$(PY) swiglu_checkpoint/benchmark.py --quick --device cpu --out $(RUNS)/swiglu
 
 # Executed copies + HTML of every reports/*.ipynb against the demo's fresh logs.
 reports: $(STAMP)

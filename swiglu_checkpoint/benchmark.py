@@ -1,0 +1,405 @@
+"""Time and memory of a SwiGLU MLP stack: reference, torch.utils.checkpoint, and each checkpoint level.
+
+For every config (batch_size, seq_len, hidden_dim, intermediate_size, num_layers) and dtype, each
+variant is built fresh (same seed), warmed up, then timed for ``--reps`` training steps
+(forward, then backward of a fixed random output gradient) with CUDA events; the peak memory of
+each step is read after resetting the peak counter. Medians are logged and compared as ratios
+within this run. Variants:
+
+  reference     SwigluMLP (nn.Linear) under plain autograd
+  checkpoint    the same module inside torch.utils.checkpoint(use_reentrant=False), per layer
+  level0/1/2    MemoryOptimizedSwigluMLP at CheckpointLevel 0 (save all), 1 (recompute all),
+                2 (save xW and xV, recompute the elementwise part)
+  level0_torch  level 0 with the PyTorch elementwise path instead of the fused Triton kernels
+                (CUDA only: shows what the fusion buys)
+
+The stack is residual by default (x + mlp(x) per layer, keeping activations at unit scale across
+random layers); --no-residual stacks the layers bare, as in the assignment's test model.
+Achieved TFLOP/s is set against a dense GEMM ceiling measured in this same run
+(effdl.profiling.flops.measure_matmul_tflops, n=8192); the floor of each variant is its GEMM
+FLOPs at that ceiling plus its elementwise bytes at the measured copy bandwidth.
+
+    python swiglu_checkpoint/benchmark.py --quick --device cpu     # smoke run, < 1 min on a CPU
+    python swiglu_checkpoint/benchmark.py --device cuda            # full grid, ~3-4 min on an H100
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from effdl.cli import (
+    UsageError,
+    base_parser,
+    device_from_arg,
+    print_table,
+    run_main,
+    seed_everything,
+)
+from effdl.models.swiglu import Checkpointed, MLPStack, SwigluMLP
+from effdl.ops.swiglu import (
+    ELEMENTWISE_ENV,
+    CheckpointLevel,
+    MemoryOptimizedSwigluMLP,
+    elementwise_ops,
+)
+from effdl.profiling.flops import measure_copy_bandwidth, measure_matmul_tflops
+from effdl.profiling.timing import GIB, RegionTimer, TimingStats, peak_memory
+from effdl.results import RunLog
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LEVEL_VARIANTS = {
+    "level0": CheckpointLevel.SAVE_ALL,
+    "level1": CheckpointLevel.RECOMPUTE_ALL,
+    "level2": CheckpointLevel.RECOMPUTE_ELEMENTWISE,
+    "level0_torch": CheckpointLevel.SAVE_ALL,
+}
+VARIANTS = ["reference", "checkpoint", "level0", "level2", "level1", "level0_torch"]
+
+# GEMMs of 2*N*H*I FLOPs per layer and step: 3 forward + 6 backward, plus the recomputed ones.
+GEMMS = {
+    "reference": 9,
+    "checkpoint": 12,
+    "level0": 9,
+    "level2": 9,
+    "level1": 11,
+    "level0_torch": 9,
+}
+# Elementwise traffic per layer and step, in passes over an (N x I) tensor (one read or write).
+# aten (reference): silu 2 + mul 3 forward, mul-backward 6 + silu-backward 3; checkpoint re-runs
+# the forward pair. Fused Triton: gate 3; backward 5, or 6 when it also rebuilds g for dU.
+# PyTorch path: gate = silu 2 + mul_ 3; backward = silu 2 + silu_backward 3 + 2 muls 6 (+3 for g).
+PASSES = {
+    "aten": {"reference": 14, "checkpoint": 19},
+    "triton": {"level0": 8, "level2": 9, "level1": 9},
+    "torch": {"level0": 16, "level2": 19, "level1": 19},
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch_size: int
+    seq_len: int
+    hidden_dim: int
+    intermediate_size: int
+    num_layers: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def label(self) -> str:
+        return (
+            f"{self.batch_size}x{self.seq_len} h{self.hidden_dim} "
+            f"i{self.intermediate_size} L{self.num_layers}"
+        )
+
+    def gemm_flops(self, variant: str) -> int:
+        """GEMM FLOPs of one training step of the whole stack."""
+        n, h, i = self.tokens, self.hidden_dim, self.intermediate_size
+        return GEMMS[variant] * 2 * n * h * i * self.num_layers
+
+    def elementwise_bytes(self, variant: str, backend: str, itemsize: int) -> int:
+        passes = PASSES[backend][variant.removesuffix("_torch")]
+        return passes * self.tokens * self.intermediate_size * itemsize * self.num_layers
+
+
+LARGE = Shape(4, 1024, 4096, 16384, 5)
+GPU_GRID = [
+    Shape(16, 128, 512, 2048, 2),
+    Shape(32, 128, 512, 2048, 2),
+    Shape(8, 512, 1024, 4096, 3),
+    Shape(16, 512, 1024, 4096, 3),
+    Shape(8, 1024, 2048, 8192, 4),
+    LARGE,
+    Shape(8, 1024, 4096, 16384, 5),
+]
+QUICK_GRID = [Shape(2, 16, 32, 96, 2), Shape(2, 32, 64, 192, 3)]
+
+
+def parse_shape(text: str) -> Shape:
+    try:
+        values = [int(v) for v in text.split(",")]
+        shape = Shape(*values)
+    except (TypeError, ValueError):
+        raise UsageError(
+            f"--configs: {text!r} is not batch,seq,hidden,intermediate,layers (5 integers)"
+        ) from None
+    if min(values) <= 0:
+        raise UsageError(f"--configs: {text!r} has a non-positive entry")
+    return shape
+
+
+def parse_args():
+    p = base_parser(__doc__.splitlines()[0], default_out="runs/swiglu")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        help="batch,seq,hidden,intermediate,layers entries; default: the built-in grid",
+    )
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], help=f"of {list(DTYPES)}")
+    p.add_argument("--variants", nargs="+", default=VARIANTS, help=f"subset of {VARIANTS}")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--no-residual", action="store_true", help="bare stack: x = mlp(x)")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
+    return p.parse_args()
+
+
+@contextmanager
+def elementwise_backend(variant: str) -> Iterator[None]:
+    """Force the PyTorch elementwise path for ``level0_torch``; leave the default otherwise."""
+    if not variant.endswith("_torch"):
+        yield
+        return
+    previous = os.environ.get(ELEMENTWISE_ENV)
+    os.environ[ELEMENTWISE_ENV] = "torch"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[ELEMENTWISE_ENV]
+        else:
+            os.environ[ELEMENTWISE_ENV] = previous
+
+
+def build(variant: str, shape: Shape, dtype: torch.dtype, device, residual: bool) -> nn.Module:
+    kw = {"device": device, "dtype": dtype}
+    h, i = shape.hidden_dim, shape.intermediate_size
+    if variant in LEVEL_VARIANTS:
+        layers = [
+            MemoryOptimizedSwigluMLP(h, i, LEVEL_VARIANTS[variant], **kw)
+            for _ in range(shape.num_layers)
+        ]
+    else:
+        layers = [SwigluMLP(h, i, **kw) for _ in range(shape.num_layers)]
+        if variant == "checkpoint":
+            layers = [Checkpointed(layer) for layer in layers]
+    return MLPStack(layers, residual=residual)
+
+
+def fresh_state(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, warmup: int, reps: int) -> dict:
+    """Forward/backward/step timings and the step's peak memory (max over timed steps)."""
+    device = x.device
+    fwd, bwd = RegionTimer(device), RegionTimer(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    peaks = []
+    for step in range(warmup + reps):
+        model.zero_grad(set_to_none=True)
+        timed = step >= warmup
+        with peak_memory(device) as mem:
+            if timed:
+                fwd.start()
+            y = model(x)
+            if timed:
+                fwd.stop()
+                bwd.start()
+            y.backward(dy)
+            if timed:
+                bwd.stop()
+            del y
+        if timed:
+            peaks.append(mem.bytes)
+    f, b = fwd.times(), bwd.times()
+    step_stats = TimingStats.from_times([a + c for a, c in zip(f, b, strict=True)])
+    metrics = {
+        **TimingStats.from_times(f).as_dict("fwd_s_"),
+        **TimingStats.from_times(b).as_dict("bwd_s_"),
+        **step_stats.as_dict("step_s_"),
+    }
+    if device.type == "cuda":
+        metrics["peak_gib"] = max(peaks) / GIB
+        metrics["base_gib"] = base / GIB  # weights, x, dy: allocated before the step
+        metrics["activation_peak_gib"] = (max(peaks) - base) / GIB
+    else:  # PyTorch keeps no allocator statistics on the CPU
+        metrics.update(
+            peak_gib=float("nan"), base_gib=float("nan"), activation_peak_gib=float("nan")
+        )
+    return metrics
+
+
+def backend_of(variant: str, device: torch.device) -> str:
+    """Which elementwise code a variant runs: aten (autograd's own kernels), triton or torch."""
+    if variant not in LEVEL_VARIANTS:
+        return "aten"
+    with elementwise_backend(variant):
+        return elementwise_ops(device).name
+
+
+def run_variant(variant, shape, dtype, device, args) -> dict:
+    fresh_state(device)
+    seed_everything(args.seed)
+    with elementwise_backend(variant):
+        model = build(variant, shape, dtype, device, residual=not args.no_residual)
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        size = (shape.batch_size, shape.seq_len, shape.hidden_dim)
+        x = torch.randn(size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+        dy = torch.randn(size, device=device, dtype=dtype, generator=gen)
+        try:
+            metrics = measure(model, x, dy, args.warmup, args.reps)
+        except torch.cuda.OutOfMemoryError:
+            metrics = {"oom": True}
+        finally:
+            del model, x, dy
+            fresh_state(device)
+    return metrics
+
+
+def ratio(num: float | None, den: float | None) -> float:
+    if num is None or den is None or den != den or num != num or den == 0:
+        return float("nan")
+    return num / den
+
+
+def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict], ceiling: float) -> dict:
+    t = {v: m.get("step_s_median") for v, m in res.items()}
+    mem = {v: m.get("peak_gib") for v, m in res.items()}
+    level0 = res.get("level0", {})
+    return {
+        "config": shape.label,
+        "dtype": dtype_name,
+        "l0/ref time": ratio(t.get("level0"), t.get("reference")),
+        "l0/ref mem": ratio(mem.get("level0"), mem.get("reference")),
+        "l1/ckpt mem": ratio(mem.get("level1"), mem.get("checkpoint")),
+        "l1/l0 time": ratio(t.get("level1"), t.get("level0")),
+        "l2/l0 time": ratio(t.get("level2"), t.get("level0")),
+        "l0 frac ceiling": ratio(level0.get("tflops_model"), ceiling),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    device = device_from_arg(args.device)
+    unknown = sorted(set(args.dtypes) - set(DTYPES)) + sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        raise UsageError(
+            f"--dtypes/--variants: unknown {unknown}; dtypes {list(DTYPES)}, variants {VARIANTS}"
+        )
+    if args.warmup < 0 or args.reps < 1:
+        raise UsageError("--warmup must be >= 0 and --reps >= 1")
+    variants = [v for v in args.variants if device.type == "cuda" or not v.endswith("_torch")]
+    if args.configs:
+        grid = [parse_shape(c) for c in args.configs]
+    else:
+        grid = QUICK_GRID if args.quick else GPU_GRID
+    if args.quick:
+        args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
+    if device.type == "cpu" and not args.quick:
+        print("note: a CPU run times the PyTorch paths only and has no memory statistics")
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+
+    log = RunLog(args.out / "benchmark.jsonl", task="swiglu")
+    gemm_n = 256 if args.quick else 8192
+    bandwidth, _ = measure_copy_bandwidth((1 if args.quick else 64) * 2**20 * 16, device)
+    log.log("copy_bandwidth", {"device": str(device)}, {"gb_per_s": bandwidth})
+
+    summary, cost_rows = [], []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        ceiling, stats = measure_matmul_tflops(gemm_n, dtype, device)
+        log.log(
+            "matmul_ceiling",
+            {"dtype": dtype_name, "n": gemm_n, "device": str(device), "tf32": args.tf32},
+            {"tflops": ceiling, **stats.as_dict("time_s_")},
+        )
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for shape in tqdm(grid, desc=f"{dtype_name} configs", unit="config"):
+            res = {}
+            for variant in variants:
+                flops_exec = shape.gemm_flops(variant)
+                flops_model = shape.gemm_flops("reference")
+                backend = backend_of(variant, device)
+                ew_bytes = shape.elementwise_bytes(variant, backend, itemsize)
+                floor_s = flops_exec / (ceiling * 1e12) + ew_bytes / (bandwidth * 1e9)
+                metrics = run_variant(variant, shape, dtype, device, args)
+                if "step_s_median" in metrics:
+                    step = metrics["step_s_median"]
+                    metrics.update(
+                        tflops_model=flops_model / step / 1e12,  # useful FLOPs (9 GEMMs)
+                        tflops_executed=flops_exec / step / 1e12,  # incl. recomputed GEMMs
+                        frac_ceiling=flops_exec / step / 1e12 / ceiling,
+                        floor_s=floor_s,
+                        floor_frac=floor_s / step,
+                    )
+                metrics.update(
+                    elementwise=backend,
+                    gemm_flops=flops_exec,
+                    elementwise_bytes=ew_bytes,
+                    ceiling_tflops=ceiling,
+                    copy_gb_per_s=bandwidth,
+                )
+                config = {
+                    **asdict(shape),
+                    "tokens": shape.tokens,
+                    "dtype": dtype_name,
+                    "residual": not args.no_residual,
+                    "tf32": args.tf32,
+                    "warmup": args.warmup,
+                    "reps": args.reps,
+                    "device": str(device),
+                    "quick": args.quick,
+                }
+                log.log(variant, config, metrics)
+                res[variant] = metrics
+                if dtype_name == args.dtypes[0] and shape == grid[-1]:
+                    cost_rows.append(
+                        {
+                            "variant": variant,
+                            "GEMMs/layer": GEMMS[variant],
+                            "GEMM TFLOP": flops_exec / 1e12,
+                            "elementwise GB": ew_bytes / 1e9,
+                            "floor ms": floor_s * 1e3,
+                            "floor / level0 floor": None,
+                        }
+                    )
+            row = summary_row(shape, dtype_name, res, ceiling)
+            log.log("summary", {**asdict(shape), "dtype": dtype_name}, row)
+            summary.append(row)
+            print_table(
+                [
+                    {
+                        "variant": v,
+                        "fwd ms": m.get("fwd_s_median", float("nan")) * 1e3,
+                        "bwd ms": m.get("bwd_s_median", float("nan")) * 1e3,
+                        "peak GiB": m.get("peak_gib", float("nan")),
+                        "TFLOP/s": m.get("tflops_executed", float("nan")),
+                        "floor/time": m.get("floor_frac", float("nan")),
+                        "elementwise": m["elementwise"] + (" OOM" if m.get("oom") else ""),
+                    }
+                    for v, m in res.items()
+                ],
+                title=f"{shape.label} {dtype_name} (ceiling {ceiling:.1f} TFLOP/s)",
+            )
+
+    floors = {r["variant"]: r["floor ms"] for r in cost_rows}
+    for r in cost_rows:
+        r["floor / level0 floor"] = ratio(r["floor ms"], floors.get("level0"))
+    print_table(
+        cost_rows,
+        title=(
+            f"Cost model, {grid[-1].label} {args.dtypes[0]}: GEMM FLOPs at the measured ceiling "
+            f"+ elementwise bytes at {bandwidth:.0f} GB/s"
+        ),
+    )
+    print_table(summary, title=f"Ratios within this run (log: {log.path})")
+
+
+if __name__ == "__main__":
+    run_main(main)
