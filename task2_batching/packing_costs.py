@@ -1,0 +1,191 @@
+"""Bin packing on the CPU: First-Fit vs Best-Fit Decreasing time, bins and fill at growing n.
+
+For each n the same WikiText-like document lengths are packed into bins of --capacity tokens
+by FFD and BFD (effdl.data.packing), against the lower bound ceil(total / capacity). A third
+row, "concat", is plain concatenation into rows (SequencedDataset's "split" policy): it meets
+the lower bound but cuts documents at row ends; the table counts how many.
+
+Lengths come from --corpus (WikiText-103 files or parquet, tokenized with basic_english) or,
+by default, are drawn directly from the distribution of the generated corpus (a quarter
+headings of 3-12 tokens, paragraphs log-normal with median 75 and sigma 0.95, as in
+effdl.data.corpus), so full size needs no text generation. Longer than --capacity: --overlong.
+
+    python task2_batching/packing_costs.py --quick
+    python task2_batching/packing_costs.py                 # n = 1e4, 1e5, 1e6, 1.8e6
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from effdl.cli import UsageError, base_parser, print_table, require_path, run_main
+from effdl.data.packing import best_fit_decreasing, first_fit_decreasing
+from effdl.profiling.timing import benchmark
+from effdl.results import RunLog
+
+PACKERS = {"ffd": first_fit_decreasing, "bfd": best_fit_decreasing}
+BFD_TARGET_S, FILL_TARGET, TARGET_N = 10.0, 0.99, 1_800_000
+
+
+def parse_args():
+    p = base_parser(__doc__.splitlines()[0], default_out="runs/task2")
+    p.add_argument(
+        "--sizes",
+        type=float,
+        nargs="+",
+        default=None,
+        help="numbers of documents; default 1e4 1e5 1e6 1.8e6, with --quick 1e3 1e4 1e5",
+    )
+    p.add_argument("--capacity", type=int, default=640, help="bin size in tokens")
+    p.add_argument(
+        "--overlong",
+        choices=["truncate", "drop", "split"],
+        default="truncate",
+        help="documents longer than --capacity: cut to it, leave out, or split into pieces",
+    )
+    p.add_argument("--corpus", default=None, help="wiki.train.raw/.tokens, its folder, or .parquet")
+    p.add_argument("--iters", type=int, default=3, help="timed repeats per packer (1 with --quick)")
+    return p.parse_args()
+
+
+def wikitext_like_lengths(n: int, seed: int) -> np.ndarray:
+    """``n`` document lengths shaped like WikiText-103's non-empty lines (see module doc)."""
+    rng = np.random.default_rng(seed)
+    heading = rng.random(n) < 0.25
+    lengths = np.ceil(rng.lognormal(np.log(75.0), 0.95, n))
+    lengths[heading] = rng.integers(3, 13, int(heading.sum()))
+    return np.minimum(lengths, 4000).astype(np.int64)
+
+
+def corpus_lengths(path: str) -> np.ndarray:
+    """basic_english token counts of the non-empty lines of a WikiText training file."""
+    from effdl.data.corpus import CorpusFormatError, read_wikitext
+    from effdl.data.tokenize import fit_basic_english
+
+    try:
+        lines = read_wikitext(require_path(Path(path), "a WikiText file or parquet", "--corpus"))
+    except CorpusFormatError as e:
+        raise UsageError(f"--corpus: {e}") from None
+    corpus, _ = fit_basic_english(lines)
+    lengths = corpus.lengths
+    return lengths[lengths > 0]
+
+
+def sample(pool: np.ndarray | None, n: int, seed: int) -> np.ndarray:
+    """``n`` lengths: fresh draws, or the first n of a seeded shuffle of ``pool`` (repeated if short)."""
+    if pool is None:
+        return wikitext_like_lengths(n, seed)
+    rng = np.random.default_rng(seed)
+    reps = -(-n // pool.size)
+    return rng.permutation(np.tile(pool, reps))[:n]
+
+
+def concat_stats(lengths: np.ndarray, capacity: int) -> dict[str, float | int]:
+    """Rows, fill and documents cut when the stream is simply cut every ``capacity`` tokens."""
+    ends = np.cumsum(lengths)
+    total = int(ends[-1])
+    starts = ends - lengths
+    # a document is cut when a row boundary k * capacity falls strictly inside it
+    cut = (ends - 1) // capacity > starts // capacity
+    rows = -(-total // capacity)
+    return {"bins": rows, "fill_ratio": total / (rows * capacity), "docs_cut": int(cut.sum())}
+
+
+def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> tuple[np.ndarray, str]:
+    """Lengths after truncation (or unchanged), and the packers' ``oversize`` argument."""
+    if policy == "truncate":
+        return np.minimum(lengths, capacity), "error"
+    return lengths, policy
+
+
+def timed_pack(pack, lengths, capacity, oversize, warmup, iters):
+    """Median-able timings of ``pack(lengths, capacity)`` and the packing of the last call."""
+    last = {}
+
+    def run():
+        last["packing"] = pack(lengths, capacity, oversize=oversize)
+
+    stats = benchmark(run, warmup=warmup, iters=iters, device="cpu")
+    return last["packing"], stats
+
+
+def main() -> None:
+    args = parse_args()
+    if args.capacity < 1 or args.iters < 1:
+        raise UsageError("--capacity and --iters must be positive")
+    sizes = args.sizes or ([1e3, 1e4, 1e5] if args.quick else [1e4, 1e5, 1e6, 1.8e6])
+    sizes = [int(s) for s in sizes]
+    if min(sizes) < 1:
+        raise UsageError(f"--sizes must be positive, got {sizes}")
+    iters = 1 if args.quick else args.iters
+    pool = corpus_lengths(args.corpus) if args.corpus else None
+    source = args.corpus or "wikitext_like(seed)"
+
+    log = RunLog(args.out / "packing.jsonl", task="task2")
+    rows = []
+    for n in tqdm(sizes, desc="sizes", unit="n"):
+        raw = sample(pool, n, args.seed)
+        lengths, oversize = apply_overlong(raw, args.capacity, args.overlong)
+        n_overlong = int((raw > args.capacity).sum())
+        base = {
+            "n": n,
+            "n_overlong": n_overlong,
+            "capacity": args.capacity,
+            "overlong": args.overlong,
+            "source": source,
+            "seed": args.seed,
+        }
+        cs = concat_stats(lengths, args.capacity)
+        lb = cs["bins"]  # ceil(total / capacity): concatenation meets the lower bound
+        log.log("packing_concat", {**base, "algorithm": "concat"}, {**cs, "lower_bound": lb})
+        rows.append(
+            {
+                "n": n,
+                "algorithm": "concat",
+                "time_s": None,
+                "bins": cs["bins"],
+                "fill": f"{cs['fill_ratio']:.4%}",
+                "docs_cut": cs["docs_cut"],
+                "lower_bound": lb,
+            }
+        )
+        for name, pack in PACKERS.items():
+            packing, stats = timed_pack(
+                pack, lengths, args.capacity, oversize, warmup=0 if args.quick else 1, iters=iters
+            )
+            ps = packing.stats
+            metrics = {
+                **ps.as_dict(),
+                **stats.as_dict("time_s_"),
+                "excess_bins": ps.n_bins - ps.lower_bound,
+            }
+            log.log(f"packing_{name}", {**base, "algorithm": name}, metrics)
+            rows.append(
+                {
+                    "n": n,
+                    "algorithm": name,
+                    "time_s": stats.median,
+                    "bins": ps.n_bins,
+                    "fill": f"{ps.fill_ratio:.4%}",
+                    "docs_cut": n_overlong if args.overlong == "split" else 0,
+                    "lower_bound": ps.lower_bound,
+                }
+            )
+
+    print_table(rows, title=f"Packing into {args.capacity}-token bins (log: {log.path})")
+    full = [r for r in rows if r["algorithm"] == "bfd" and r["n"] >= TARGET_N]
+    for r in full:
+        fill = float(r["fill"].rstrip("%")) / 100
+        ok = r["time_s"] < BFD_TARGET_S and fill >= FILL_TARGET
+        print(
+            f"BFD target (n >= {TARGET_N}: < {BFD_TARGET_S:g} s, fill >= {FILL_TARGET:.0%}) at "
+            f"n={r['n']}: {r['time_s']:.2f} s, fill {r['fill']} -> "
+            f"{'met' if ok else 'NOT met'}"
+        )
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,399 @@
+import functools
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from effdl.data.packing import (
+    IGNORE_INDEX,
+    PAD_DOC_ID,
+    BinDataset,
+    SequencedDataset,
+    _MaxSegmentTree,
+    best_fit_decreasing,
+    collate_bins,
+    collate_packed,
+    document_causal_mask,
+    first_fit_decreasing,
+    pack_row,
+    packed_loader,
+)
+
+PACKERS = {"ffd": first_fit_decreasing, "bfd": best_fit_decreasing}
+
+
+def reference_fit(lengths, capacity, best):
+    """Textbook O(N * bins) First-/Best-Fit Decreasing; ties: input order, lowest bin id."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    room, bin_of = [], [0] * len(lengths)
+    for i in order:
+        s, pick = lengths[i], -1
+        for b, r in enumerate(room):
+            if r >= s:
+                if not best:
+                    pick = b
+                    break
+                if pick < 0 or r < room[pick]:
+                    pick = b
+        if pick < 0:
+            room.append(capacity)
+            pick = len(room) - 1
+        room[pick] -= s
+        bin_of[i] = pick
+    return np.array(bin_of, dtype=np.int64), len(room)
+
+
+def wikitext_like_lengths(n, seed=0, capacity=640):
+    """Heavy-tailed line lengths (lognormal, median ~33 tokens), clipped to the capacity."""
+    rng = np.random.default_rng(seed)
+    return np.minimum(np.ceil(rng.lognormal(3.5, 1.0, n)), capacity).astype(np.int64)
+
+
+def check_invariants(packing, lengths):
+    cap = packing.capacity
+    placed = np.sort(np.concatenate(packing.bins)) if packing.bins else np.empty(0, np.int64)
+    np.testing.assert_array_equal(placed, np.arange(packing.piece_len.size))  # each piece once
+    loads = np.array([packing.piece_len[b].sum() for b in packing.bins], dtype=np.int64)
+    assert (loads <= cap).all() and (loads > 0).all()
+    for b, members in enumerate(packing.bins):
+        assert (packing.bin_of[members] == b).all()
+        assert (np.diff(packing.piece_len[members]) <= 0).all()  # placement order: decreasing
+    st_ = packing.stats
+    assert st_.n_bins == len(packing.bins) >= st_.lower_bound
+    assert st_.total_tokens == int(packing.piece_len.sum())
+    assert st_.lower_bound == -(-st_.total_tokens // cap)
+    if st_.n_bins:
+        assert st_.fill_ratio == pytest.approx(st_.total_tokens / (st_.n_bins * cap))
+    # pieces tile every kept sequence exactly
+    kept = np.setdiff1d(np.arange(len(lengths)), packing.dropped)
+    per_seq = np.bincount(packing.piece_seq, weights=packing.piece_len, minlength=len(lengths))
+    np.testing.assert_array_equal(per_seq[kept], np.asarray(lengths)[kept])
+
+
+@pytest.mark.parametrize("name", PACKERS)
+@settings(max_examples=150, deadline=None)
+@given(
+    capacity=st.integers(1, 48),
+    raw=st.lists(st.integers(1, 48), max_size=80),
+)
+def test_packers_match_brute_force(name, capacity, raw):
+    lengths = [min(x, capacity) for x in raw]
+    packing = PACKERS[name](lengths, capacity)
+    ref_bins, ref_n = reference_fit(lengths, capacity, best=name == "bfd")
+    assert packing.stats.n_bins == ref_n
+    np.testing.assert_array_equal(packing.bin_of, ref_bins)
+    check_invariants(packing, lengths)
+
+
+@pytest.mark.parametrize("name", PACKERS)
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 20), raw=st.lists(st.integers(1, 70), max_size=40))
+def test_split_policy_packs_pieces_like_brute_force(name, capacity, raw):
+    packing = PACKERS[name](raw, capacity, oversize="split")
+    assert (packing.piece_len <= capacity).all()
+    ref_bins, ref_n = reference_fit(packing.piece_len.tolist(), capacity, best=name == "bfd")
+    assert packing.stats.n_bins == ref_n
+    np.testing.assert_array_equal(packing.bin_of, ref_bins)
+    check_invariants(packing, raw)
+    # pieces of one sequence are consecutive slices starting at 0
+    for s in range(len(raw)):
+        mine = packing.piece_seq == s
+        starts, lens = packing.piece_start[mine], packing.piece_len[mine]
+        np.testing.assert_array_equal(starts, np.concatenate(([0], np.cumsum(lens)[:-1])))
+
+
+@pytest.mark.parametrize("name", PACKERS)
+def test_drop_policy_leaves_out_oversize_and_empty(name):
+    lengths = [5, 12, 3, 0, 10, 11, 2]
+    packing = PACKERS[name](lengths, 10, oversize="drop")
+    np.testing.assert_array_equal(packing.dropped, [1, 3, 5])
+    np.testing.assert_array_equal(np.sort(packing.piece_seq), [0, 2, 4, 6])
+    assert packing.stats.n_dropped == 3 and packing.stats.total_tokens == 20
+    check_invariants(packing, lengths)
+
+
+@pytest.mark.parametrize("name", PACKERS)
+def test_bad_inputs_raise(name):
+    pack = PACKERS[name]
+    with pytest.raises(ValueError, match=r"longer than capacity=10.*lengths\[1\] = 12"):
+        pack([5, 12], 10)
+    with pytest.raises(ValueError, match=r"lengths must be >= 0; lengths\[2\] = -1"):
+        pack([5, 1, -1], 10)
+    with pytest.raises(ValueError, match="1-D integer"):
+        pack(np.array([1.5, 2.0]), 10)
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        pack([1], 0)
+    with pytest.raises(ValueError, match="oversize must be"):
+        pack([1], 4, oversize="truncate")
+
+
+@pytest.mark.parametrize("name", PACKERS)
+def test_empty_input(name):
+    packing = PACKERS[name]([], 8)
+    assert packing.bins == [] and packing.stats.n_bins == 0 and packing.stats.lower_bound == 0
+
+
+def test_known_example_ffd_vs_bfd():
+    # After 8 | 6+3 the rooms are 2 and 1: FFD puts the 1 into bin 0, BFD into the tighter bin 1.
+    lengths = [8, 6, 3, 1]
+    assert first_fit_decreasing(lengths, 10).bin_of.tolist() == [0, 1, 1, 0]
+    assert best_fit_decreasing(lengths, 10).bin_of.tolist() == [0, 1, 1, 1]
+
+
+def test_wikitext_like_bfd_not_worse_than_ffd_and_near_bound():
+    lengths = wikitext_like_lengths(20_000)
+    ffd = first_fit_decreasing(lengths, 640).stats
+    bfd = best_fit_decreasing(lengths, 640).stats
+    assert bfd.lower_bound <= bfd.n_bins <= ffd.n_bins
+    assert bfd.fill_ratio >= 0.99
+
+
+def test_bfd_speed_scaled_down():
+    # 1/9 of the 1.8 M target; the full-size check is test_bfd_full_size_target (slow).
+    lengths = wikitext_like_lengths(200_000, seed=1)
+    t0 = time.perf_counter()
+    packing = best_fit_decreasing(lengths, 640)
+    assert time.perf_counter() - t0 < 10 / 9
+    assert packing.stats.fill_ratio >= 0.99
+
+
+@pytest.mark.slow
+def test_bfd_full_size_target():
+    lengths = wikitext_like_lengths(1_800_000, seed=2)
+    t0 = time.perf_counter()
+    packing = best_fit_decreasing(lengths, 640)
+    assert time.perf_counter() - t0 < 10.0
+    assert packing.stats.fill_ratio >= 0.99
+    check_invariants(packing, lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# rows, batches and masks
+
+
+def test_pack_row_hand_example():
+    row = pack_row([np.array([11, 12, 13]), np.array([], dtype=np.int64), np.array([21, 22])], 8, 0)
+    assert row["input_ids"].tolist() == [11, 12, 13, 21, 22, 0, 0, 0]
+    assert row["labels"].tolist() == [12, 13, -100, 22, -100, -100, -100, -100]
+    assert row["doc_ids"].tolist() == [0, 0, 0, 1, 1, -1, -1, -1]
+    assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert row["cu_seqlens"].tolist() == [0, 3, 5, 8]
+    full = pack_row([np.array([1, 2]), np.array([3, 4])], 4, 0)
+    assert full["cu_seqlens"].tolist() == [0, 2, 4] and full["labels"].tolist() == [
+        2,
+        -100,
+        4,
+        -100,
+    ]
+    with pytest.raises(ValueError, match="more than seq_len=3"):
+        pack_row([np.array([1, 2]), np.array([3, 4])], 3, 0)
+
+
+def test_collate_packed_global_cu_seqlens_and_counts():
+    rows = [
+        pack_row([np.array([1, 2, 3])], 4, 0),
+        pack_row([np.array([4]), np.array([5, 6, 7])], 4, 0),
+    ]
+    batch = collate_packed(rows)
+    assert batch.input_ids.shape == (2, 4) and batch.input_ids.dtype == torch.int64
+    assert batch.cu_seqlens.tolist() == [0, 3, 4, 5, 8]
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert batch.max_seqlen == 3
+    assert batch.n_real_tokens == 7 and batch.n_label_tokens == 2 + 0 + 2
+    moved = batch.to("cpu")
+    assert moved.labels.equal(batch.labels) and moved.max_seqlen == 3
+    with pytest.raises(ValueError, match="at least one row"):
+        collate_packed([])
+
+
+def test_document_causal_mask_matches_definition():
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 1, 2, 2, -1, -1]])
+    mask = document_causal_mask(doc_ids)
+    for b in range(2):
+        for i in range(6):
+            for j in range(6):
+                want = bool(doc_ids[b, i] == doc_ids[b, j]) and j <= i
+                assert bool(mask[b, i, j]) == want
+    assert mask.diagonal(dim1=1, dim2=2).all()  # no empty rows, padding included
+
+
+# ---------------------------------------------------------------------------------------------
+# SequencedDataset
+
+
+def make_docs(lengths):
+    """Doc i holds tokens i*1000 + 1 .. i*1000 + len: each token names its doc and offset."""
+    return [np.arange(1, n + 1, dtype=np.int64) + 1000 * i for i, n in enumerate(lengths)]
+
+
+def real_segments(row):
+    """The (doc, offsets) of each real segment in one packed row."""
+    ids, doc_ids = row["input_ids"], row["doc_ids"]
+    out = []
+    for d in range(int(doc_ids.max()) + 1):
+        seg = ids[doc_ids == d].numpy()
+        out.append((int(seg[0] // 1000), (seg % 1000 - 1).tolist()))
+    return out
+
+
+def check_row_metadata(row, seq_len):
+    ids, labels, doc_ids, pos, cu = (
+        row[k] for k in ("input_ids", "labels", "doc_ids", "position_ids", "cu_seqlens")
+    )
+    assert ids.shape == labels.shape == doc_ids.shape == pos.shape == (seq_len,)
+    assert cu[0] == 0 and cu[-1] == seq_len
+    for k in range(len(cu) - 1):
+        a, z = int(cu[k]), int(cu[k + 1])
+        assert (doc_ids[a:z] == doc_ids[a]).all()
+        assert pos[a:z].tolist() == list(range(z - a))
+        if doc_ids[a] == PAD_DOC_ID:
+            assert (labels[a:z] == IGNORE_INDEX).all()
+        else:
+            assert (
+                labels[a : z - 1].tolist() == ids[a + 1 : z].tolist()
+                and labels[z - 1] == IGNORE_INDEX
+            )
+
+
+def test_sequenced_split_keeps_every_token_in_order():
+    lengths = [5, 9, 1, 14, 3, 7, 2]
+    docs = make_docs(lengths)
+    rows = list(SequencedDataset(docs, 8, pad_id=0))
+    for r in rows:
+        check_row_metadata(r, 8)
+    stream = np.concatenate([r["input_ids"][r["doc_ids"] >= 0].numpy() for r in rows])
+    np.testing.assert_array_equal(stream, np.concatenate(docs))
+    assert len(rows) == -(-sum(lengths) // 8)
+    assert (rows[-1]["doc_ids"] == PAD_DOC_ID).sum() == 8 * len(rows) - sum(lengths)
+
+
+def test_sequenced_truncate_and_drop():
+    docs = make_docs([5, 6, 20, 3])
+    trunc = list(SequencedDataset(docs, 8, pad_id=0, overflow="truncate"))
+    # [d0 5 + d1 head 3] [d2 head 8] [d3 3 + pad]
+    assert [real_segments(r) for r in trunc] == [
+        [(0, [0, 1, 2, 3, 4]), (1, [0, 1, 2])],
+        [(2, list(range(8)))],
+        [(3, [0, 1, 2])],
+    ]
+    drop = list(SequencedDataset(docs, 8, pad_id=0, overflow="drop"))
+    # d1 does not fit after d0: dropped, row closed; d2 longer than a row: dropped
+    assert [real_segments(r) for r in drop] == [[(0, [0, 1, 2, 3, 4])], [(3, [0, 1, 2])]]
+    for r in trunc + drop:
+        check_row_metadata(r, 8)
+    with pytest.raises(ValueError, match="overflow must be"):
+        SequencedDataset(docs, 8, pad_id=0, overflow="defer")
+
+
+def test_sequenced_drop_last_skips_partial_row():
+    docs = make_docs([5, 6])
+    assert len(list(SequencedDataset(docs, 8, pad_id=0, drop_last=True))) == 1
+    assert len(list(SequencedDataset(docs, 8, pad_id=0))) == 2
+
+
+def test_sequenced_shuffle_epochs_and_workers():
+    lengths = np.random.default_rng(0).integers(1, 30, size=60).tolist()
+    docs = make_docs(lengths)
+    ds = SequencedDataset(docs, 16, pad_id=0, shuffle=True, seed=3)
+
+    def doc_multiset(rows):
+        toks = np.concatenate([r["input_ids"][r["doc_ids"] >= 0].numpy() for r in rows])
+        return np.sort(toks)
+
+    first = list(ds)
+    ds.set_epoch(1)
+    second = list(ds)
+    assert not torch.equal(first[0]["input_ids"], second[0]["input_ids"])
+    everything = np.sort(np.concatenate(docs))
+    np.testing.assert_array_equal(doc_multiset(first), everything)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=collate_packed)
+    batches = list(loader)
+    rows = [
+        {k: getattr(b, k)[i] for k in ("input_ids", "doc_ids")}
+        for b in batches
+        for i in range(b.input_ids.shape[0])
+    ]
+    np.testing.assert_array_equal(doc_multiset(rows), everything)  # no doc lost or repeated
+
+
+def test_bins_to_batches_round_trip():
+    lengths = [9, 3, 7, 2, 16, 5, 1, 4]
+    docs = make_docs(lengths)
+    packing = best_fit_decreasing(lengths, 10, oversize="split")
+    ds = BinDataset(docs, packing)
+    loader = DataLoader(
+        ds, batch_size=3, collate_fn=functools.partial(collate_bins, seq_len=10, pad_id=0)
+    )
+    tokens = []
+    for batch in loader:
+        assert batch.input_ids.shape[1] == 10
+        tokens.append(batch.input_ids[batch.doc_ids >= 0].numpy())
+        # every segment is a contiguous run of one document, positions restart at 0
+        for row in range(batch.input_ids.shape[0]):
+            fields = ("input_ids", "labels", "doc_ids", "position_ids")
+            one = {k: getattr(batch, k)[row] for k in fields}
+            check_row_metadata({**one, "cu_seqlens": _row_cu(batch, row)}, 10)
+    np.testing.assert_array_equal(np.sort(np.concatenate(tokens)), np.sort(np.concatenate(docs)))
+
+
+def _row_cu(batch, row):
+    """The part of the batch-global cu_seqlens that covers one row, shifted to start at 0."""
+    seq_len = batch.input_ids.shape[1]
+    cu = batch.cu_seqlens
+    return cu[(cu >= row * seq_len) & (cu <= (row + 1) * seq_len)] - row * seq_len
+
+
+class DocsWithLengths(list):
+    """A list of token arrays exposing ``lengths`` like effdl.data.tokenize.TokenizedCorpus."""
+
+    @property
+    def lengths(self):
+        return np.array([len(d) for d in self], dtype=np.int64)
+
+
+@pytest.mark.parametrize("method", ["concat", "ffd", "bfd"])
+def test_packed_loader_delivers_every_token_once(method):
+    lengths = [7, 0, 12, 3, 25, 9, 1, 16, 4]  # one empty doc, one longer than a row
+    docs = DocsWithLengths(make_docs(lengths))
+    loader = packed_loader(docs, 16, 2, pad_id=0, method=method, shuffle=True, seed=1)
+    batches = list(loader)
+    tokens = np.concatenate([b.input_ids[b.doc_ids >= 0].numpy() for b in batches])
+    np.testing.assert_array_equal(np.sort(tokens), np.sort(np.concatenate(docs)))
+    assert sum(b.n_real_tokens for b in batches) == sum(lengths)
+    if method != "concat":
+        packing = loader.dataset.packing
+        assert packing.stats.n_bins == sum(b.input_ids.shape[0] for b in batches)
+        np.testing.assert_array_equal(packing.dropped, [1])
+    with pytest.raises(ValueError, match="method must be"):
+        packed_loader(docs, 16, 2, pad_id=0, method="wfd")
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["set", "range", "query"]), st.integers(0, 39), st.integers(-1, 30)
+        ),
+        max_size=60,
+    ),
+)
+def test_segment_tree_matches_a_plain_list(n, ops):
+    tree, plain = _MaxSegmentTree(n, fill=-1), [-1] * n
+    for op, i, x in ops:
+        i %= n
+        if op == "set":
+            tree.set(i, x)
+            plain[i] = x
+        elif op == "range":
+            values = [x + k for k in range(n - i)]
+            tree.set_range(i, values)
+            plain[i:] = values
+        else:
+            want = next((j for j, v in enumerate(plain) if v >= x), -1)
+            assert tree.leftmost_at_least(x) == want
+        assert tree.get(i) == plain[i]
