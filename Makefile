@@ -44,8 +44,11 @@ demo-task2:
 	@echo "== task2_batching: not written yet (issue #4)"
 demo-task3:
 	@echo "== task3_vit_profiling: not written yet (no issue filed)"
-demo-gpt2:
-	@echo "== memory_efficient_gpt2: not written yet (issue #6)"
+demo-gpt2: $(STAMP)
+	@echo "== memory_efficient_gpt2: offloaded Adam on a tiny GPT-2 (quick)"
+	$(PY) memory_efficient_gpt2/train.py --quick --out $(RUNS)/gpt2
+	$(PY) memory_efficient_gpt2/train.py --quick --fixed-batch --out $(RUNS)/gpt2
+	$(PY) memory_efficient_gpt2/train.py --quick --baseline --out $(RUNS)/gpt2
 demo-swiglu: $(STAMP)
 	@echo "== swiglu_checkpoint: GPU ceilings (quick)"
 	$(PY) swiglu_checkpoint/gpu_ceilings.py --quick --device cpu --out $(RUNS)/ceilings

@@ -1,0 +1,679 @@
+"""Adam/AdamW whose fp32 master weights and moments live in (pinned) CPU memory.
+
+Contract
+--------
+* **Where things live.** For every parameter the optimizer keeps an fp32 master copy and both
+  Adam moments (``exp_avg``, ``exp_avg_sq``) in CPU memory, pinned when the working device is a
+  GPU. The model's parameters become *working* copies on ``device`` in ``working_dtype`` (bf16 by
+  default, fp16 allowed, fp32 for exact CPU tests). The constructor takes parameters still in
+  fp32 (anywhere; build big models on the CPU) so the masters start exact, then replaces each
+  ``p.data`` by a view into a flat per-bucket working buffer on ``device``.
+* **Gradients.** A ``register_post_accumulate_grad_hook`` per parameter takes each gradient as
+  soon as autograd has produced it and frees ``p.grad`` at once, so the GPU never holds a full set
+  of gradients. Accumulation over micro-batches is exact fp32 addition, either
+
+  - ``grad_accumulation="cpu"``: every micro-batch, a non-blocking D2H copy on a side CUDA stream
+    into a pinned working-dtype staging buffer, then (worker thread, once the bucket's copy has
+    landed) an fp32 add on the CPU. PCIe and CPU memory traffic: 2 B/param D2H and 10 B/param of
+    host memory traffic *per micro-batch*; or
+  - ``grad_accumulation="gpu"``: an fp32 accumulation buffer on the GPU (4 B/param of GPU
+    memory), copied to the CPU once per optimizer step (4 B/param D2H per step).
+
+  On a CPU-only machine the "device" is the CPU: gradients are added into the fp32 buffer
+  directly and no streams or pinned memory are used.
+* **The update** runs torch's fused multi-threaded CPU Adam/AdamW kernel (the one behind
+  ``torch.optim.Adam(fused=True)``) on the fp32 masters, one bucket at a time, in a single worker
+  thread (the kernel itself is parallel over ``torch.get_num_threads()`` cores and releases the
+  GIL, so the Python thread keeps launching GPU work). Updated masters are cast to the working
+  dtype into a pinned staging buffer and copied back with a non-blocking H2D copy on a second side
+  stream; :meth:`step` makes the compute stream wait for those copies.
+* **Overlap.** :meth:`backward` with ``final=True`` (the last micro-batch of a step) updates each
+  bucket as soon as all its gradients are in, while backward still runs on earlier layers, and
+  copies the updated weights back while the rest of backward proceeds. :meth:`step` finishes
+  the buckets that were not complete (and everything, when :meth:`backward` was not used).
+* **Semantics** are those of ``torch.optim.Adam`` (``adamw=False``: L2 weight decay added to the
+  gradient) and ``torch.optim.AdamW`` (``adamw=True``: decoupled weight decay): bias correction,
+  betas, eps, per-group hyper-parameters (read from ``param_groups`` at every step, so lr
+  schedules work by editing them), parameters that got no gradient are skipped (no state change),
+  ``state_dict``/``load_state_dict`` (torch's layout plus a ``master`` entry per parameter),
+  ``zero_grad`` (drops accumulated gradients). The fp32 masters equal, bit for bit,
+  ``torch.optim.Adam(fused=True)`` run on the CPU with the same fp32 gradients.
+* **Loss scaling.** For fp16 working weights pass ``scale=`` (float or 0-dim tensor) to
+  :meth:`backward` (it multiplies the loss) or to :meth:`step` (when the loss was scaled by the
+  caller). The step then unscales and checks for inf/NaN on the CPU over *all* gradients before
+  any update, skips the whole step if one is found and says so in :attr:`found_inf`; feed that to
+  your scaler's update (any ``torch.amp.GradScaler``-like object: ``get_scale()`` gives the scale).
+  With a scale the in-backward overlap is off, because the inf check needs every gradient first.
+
+Limits: no ``amsgrad``, no ``maximize``, no sparse gradients, no gradient clipping (the overlap
+updates buckets before the global norm is known), one working device, parameters must not be
+replaced after construction (their ``data`` are views into the optimizer's buffers), and it is
+not a ``torch.optim.Optimizer`` subclass (no LR scheduler objects; edit ``param_groups[i]["lr"]``).
+
+Budget for GPT-2-Large (774,030,080 params) on an H100 host: pinned CPU memory 16 B/param for
+master + moments + fp32 grads plus 2 B/param working-dtype staging each for weights (and grads in
+"cpu" mode) = 12.4-15.5 GB; the update touches ~28 B/param (read master, grad, moments; write
+master, moments) ~ 22 GB of host memory traffic plus a 6 B/param cast, i.e. ~0.3-0.6 s at
+40-80 GB/s; the H2D copy back of bf16 weights is 1.55 GB (~30-60 ms at 25-50 GB/s pinned).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_GROUP_DEFAULT_KEYS = ("lr", "betas", "eps", "weight_decay")
+GRAD_ACCUMULATION_MODES = ("cpu", "gpu")
+# Parameter offsets inside flat buffers are multiples of this many elements (256 B for fp32), so
+# every working weight is as aligned as a fresh allocation and GEMMs pick their fast kernels.
+ALIGN_ELEMENTS = 64
+
+
+class Timeline:
+    """Spans of one optimizer step on one time axis, for the report's step timeline.
+
+    Host spans use ``perf_counter``; CUDA spans use timing events and are placed relative to an
+    event recorded on the current stream at :meth:`reset` (exact when the host had just
+    synchronized, as a training loop does after reading the loss). Appends are thread-safe.
+    Off (no events, no cost) until ``enabled`` is set; call :meth:`reset` at each step start.
+    """
+
+    def __init__(self, cuda: bool, enabled: bool = False) -> None:
+        self.cuda = cuda
+        self.enabled = enabled
+        self.reset()
+
+    def reset(self) -> None:
+        self._spans: list[tuple[str, int, Any, Any]] = []
+        self._t0 = time.perf_counter()
+        self._ev0 = self.mark() if self.cuda else None
+
+    def mark(self, stream: Any = None) -> Any:
+        """A time stamp: a recorded CUDA event (on ``stream`` or the current one) or a float."""
+        if not (self.cuda and self.enabled):
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def add(self, kind: str, index: int, start: Any, end: Any) -> None:
+        """Record a span from two :meth:`mark` stamps (or two ``perf_counter`` floats)."""
+        if self.enabled:
+            self._spans.append((kind, index, start, end))
+
+    def spans(self) -> list[dict[str, Any]]:
+        """All spans as ``{kind, index, start_s, end_s}`` (synchronizes on CUDA)."""
+        out = []
+        for kind, index, a, b in list(self._spans):
+            if isinstance(b, float):
+                start, end = a - self._t0, b - self._t0
+            else:
+                b.synchronize()
+                start, end = self._ev0.elapsed_time(a) / 1e3, self._ev0.elapsed_time(b) / 1e3
+            out.append({"kind": kind, "index": index, "start_s": start, "end_s": end})
+        return out
+
+    def totals(self) -> dict[str, float]:
+        """Summed duration per kind, in seconds."""
+        out: dict[str, float] = {}
+        for s in self.spans():
+            out[s["kind"]] = out.get(s["kind"], 0.0) + s["end_s"] - s["start_s"]
+        return out
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Parameters of one param group whose buffers are flat, contiguous slices."""
+
+    group: dict[str, Any]
+    params: list[Tensor]
+    offsets: list[int]
+    numel: int
+    master: Tensor  # fp32, CPU
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    grad: Tensor  # fp32 accumulated gradients, CPU
+    work: Tensor  # working weights on the device (params are views of it)
+    steps: list[Tensor]  # one float32 scalar per param, as torch's fused Adam keeps them
+    weight_stage: Tensor | None = None  # pinned, working dtype: H2D source
+    grad_stage: Tensor | None = None  # pinned, working dtype: D2H target ("cpu" mode)
+    gpu_acc: Tensor | None = None  # fp32 on the device ("gpu" mode)
+    has_grad: list[bool] = field(default_factory=list)  # accumulated grad present
+    on_host: list[bool] = field(default_factory=list)  # ...and already added into .grad
+    reported: list[int] = field(default_factory=list)  # indices reported in this backward
+    staged: list[int] = field(default_factory=list)  # "cpu" mode: in grad_stage, not yet added
+    job: Future | None = None  # last worker job touching this bucket's host buffers
+    h2d_done: Any = None  # CUDA event after the last weight copy-back
+    d2h_done: Any = None  # CUDA event after the last grad copy
+
+    index: int = 0  # position in the optimizer's bucket list (for the timeline)
+
+    def view(self, flat: Tensor, i: int) -> Tensor:
+        p = self.params[i]
+        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+
+
+class CPUOffloadAdam:
+    """Adam (or AdamW with ``adamw=True``) with fp32 master weights and moments on the CPU.
+
+    See the module docstring for the full contract. Typical loop::
+
+        model = build_model()                       # fp32, on the CPU
+        opt = CPUOffloadAdam(model.parameters(), lr=1e-4, device="cuda")
+        model.to("cuda")                            # buffers; params already moved
+        for step in range(steps):
+            for i, mb in enumerate(micro_batches):
+                opt.backward(loss_fn(model, mb) / len(micro_batches),
+                             final=i == len(micro_batches) - 1)
+            opt.step()
+
+    Args:
+        params: parameters or param-group dicts (``lr``, ``betas``, ``eps``, ``weight_decay``).
+        device: where the working weights live (default: the first parameter's device).
+        working_dtype: dtype of the working weights (bf16 default; fp16 needs ``scale``).
+        grad_accumulation: ``"cpu"`` or ``"gpu"`` (see module docstring; ignored on CPU).
+        bucket_numel: target parameters per bucket (a larger tensor gets its own bucket).
+        num_threads: if given, ``torch.set_num_threads(num_threads)`` (process-wide) for the
+            CPU update.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        adamw: bool = False,
+        device: str | torch.device | None = None,
+        working_dtype: torch.dtype = torch.bfloat16,
+        grad_accumulation: str = "gpu",
+        bucket_numel: int = 2**25,
+        num_threads: int | None = None,
+    ) -> None:
+        if grad_accumulation not in GRAD_ACCUMULATION_MODES:
+            raise ValueError(
+                f"grad_accumulation must be one of {GRAD_ACCUMULATION_MODES}, got {grad_accumulation!r}"
+            )
+        if working_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"working_dtype must be bf16, fp16 or fp32, got {working_dtype}")
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+        self.adamw = adamw
+        self.working_dtype = working_dtype
+        self.grad_accumulation = grad_accumulation
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        self.param_groups = _make_groups(params, defaults)
+        first = self.param_groups[0]["params"][0]
+        self.device = torch.device(device) if device is not None else first.device
+        self._cuda = self.device.type == "cuda"
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if self._cuda:
+            self._d2h_stream = torch.cuda.Stream(self.device)
+            self._h2d_stream = torch.cuda.Stream(self.device)
+        # One worker: bucket jobs run in submission order, each parallel inside torch's kernels.
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="offload-adam",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
+        self._buckets: list[_Bucket] = []
+        self._where: dict[Tensor, tuple[_Bucket, int]] = {}
+        for group in self.param_groups:
+            self._buckets.extend(self._build_buckets(group, bucket_numel))
+        for k, b in enumerate(self._buckets):
+            b.index = k
+        self.timeline = Timeline(self._cuda)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
+        self._final = False
+        self._scale: float | None = None
+        self.found_inf = False
+
+    # ----------------------------------------------------------------------------- set-up
+    def _build_buckets(self, group: dict[str, Any], bucket_numel: int) -> list[_Bucket]:
+        # Reverse order: gradients of the last layers arrive first in backward.
+        params = list(reversed(group["params"]))
+        chunks: list[list[Tensor]] = [[]]
+        size = 0
+        for p in params:
+            if chunks[-1] and size + p.numel() > bucket_numel:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(p)
+            size += p.numel()
+        return [self._make_bucket(group, chunk) for chunk in chunks if chunk]
+
+    def _make_bucket(self, group: dict[str, Any], params: list[Tensor]) -> _Bucket:
+        offsets, n = [], 0
+        for p in params:
+            offsets.append(n)
+            n += -(-p.numel() // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        pin = self._cuda
+
+        def host(dtype: torch.dtype) -> Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+        master = host(torch.float32)
+        for p, off in zip(params, offsets, strict=True):
+            master[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        b = _Bucket(
+            group=group,
+            params=params,
+            offsets=offsets,
+            numel=n,
+            master=master,
+            exp_avg=host(torch.float32),
+            exp_avg_sq=host(torch.float32),
+            grad=host(torch.float32),
+            work=torch.empty(n, dtype=self.working_dtype, device=self.device),
+            steps=[torch.zeros((), dtype=torch.float32) for _ in params],
+            has_grad=[False] * len(params),
+            on_host=[False] * len(params),
+        )
+        if self._cuda:
+            b.weight_stage = master.to(self.working_dtype).pin_memory()
+            b.work.copy_(b.weight_stage)
+            if self.grad_accumulation == "cpu":
+                b.grad_stage = host(self.working_dtype)
+            else:
+                b.gpu_acc = torch.zeros(n, dtype=torch.float32, device=self.device)
+        else:
+            b.work.copy_(master)
+        for i, p in enumerate(params):
+            p.data = b.view(b.work, i)
+            p.grad = None
+            self._where[p] = (b, i)
+        return b
+
+    # ----------------------------------------------------------------------------- backward
+    def backward(self, loss: Tensor, *, final: bool = False, scale: float | None = None) -> None:
+        """``loss.backward()`` for one micro-batch, accumulating its gradients.
+
+        ``final=True`` marks the last micro-batch before :meth:`step`: buckets are then updated
+        as soon as their gradients are complete, overlapping the rest of backward (not when a
+        ``scale`` is given; see the module docstring). ``scale`` multiplies the loss (fp16
+        loss scaling) and must be the same for every micro-batch of a step.
+        """
+        if scale is not None:
+            if self._scale is not None and self._scale != float(scale):
+                raise ValueError("scale changed between micro-batches of one optimizer step")
+            self._scale = float(scale)
+            loss = loss * self._scale
+        self._final = final
+        try:
+            loss.backward()
+        finally:
+            self._final = False
+        self._flush_reported(update=final and self._scale is None)
+
+    def _on_grad(self, p: Tensor) -> None:
+        b, i = self._where[p]
+        grad = p.grad
+        p.grad = None
+        if grad.is_sparse:
+            raise RuntimeError("CPUOffloadAdam does not support sparse gradients")
+        if not b.reported:
+            self._wait_host(b)  # the previous job may still read this bucket's staging buffer
+        b.reported.append(i)
+        if not self._cuda:
+            dst = b.view(b.grad, i)
+            dst.add_(grad) if b.has_grad[i] else dst.copy_(grad)
+            b.on_host[i] = True
+        elif self.grad_accumulation == "gpu":
+            dst = b.view(b.gpu_acc, i)
+            dst.add_(grad) if b.has_grad[i] else dst.copy_(grad)
+        else:
+            self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+            start = self.timeline.mark(self._d2h_stream)
+            with torch.cuda.stream(self._d2h_stream):
+                b.view(b.grad_stage, i).copy_(grad, non_blocking=True)
+            self.timeline.add("d2h", b.index, start, self.timeline.mark(self._d2h_stream))
+            grad.record_stream(self._d2h_stream)  # keep the memory until the copy is done
+            b.staged.append(i)
+        b.has_grad[i] = True
+        if len(b.reported) == len(b.params):
+            self._bucket_ready(b, update=self._final and self._scale is None)
+
+    def _flush_reported(self, update: bool) -> None:
+        """End of a backward: hand on buckets that only some parameters reported to."""
+        for b in self._buckets:
+            if b.reported:
+                self._bucket_ready(b, update=update)
+
+    def _bucket_ready(self, b: _Bucket, update: bool) -> None:
+        """All gradients of ``b`` for this backward are in: move them to the host (and update)."""
+        b.reported = []
+        if self._cuda and (update or b.staged):
+            self._start_d2h(b)
+        if update:
+            b.job = self._submit(self._update, b)
+        elif b.staged:
+            b.job = self._submit(self._add_staged, b)
+
+    def _start_d2h(self, b: _Bucket) -> None:
+        """Enqueue the copy of ``b``'s pending gradients to the host on the D2H stream."""
+        compute = torch.cuda.current_stream(self.device)
+        self._d2h_stream.wait_stream(compute)
+        if self.grad_accumulation == "gpu":
+            pending = [i for i in range(len(b.params)) if b.has_grad[i] and not b.on_host[i]]
+            if pending:
+                start = self.timeline.mark(self._d2h_stream)
+                with torch.cuda.stream(self._d2h_stream):
+                    b.grad.copy_(b.gpu_acc, non_blocking=True)
+                self.timeline.add("d2h", b.index, start, self.timeline.mark(self._d2h_stream))
+                for i in pending:
+                    b.on_host[i] = True
+        ev = torch.cuda.Event()
+        ev.record(self._d2h_stream)
+        b.d2h_done = ev
+
+    # ----------------------------------------------------------------------------- worker jobs
+    def _add_staged(self, b: _Bucket) -> None:
+        """Worker: add the working-dtype grads staged by D2H into the fp32 host buffer."""
+        b.d2h_done.synchronize()
+        start = time.perf_counter()
+        for i in b.staged:
+            dst, src = b.view(b.grad, i), b.view(b.grad_stage, i)
+            dst.add_(src) if b.on_host[i] else dst.copy_(src)
+            b.on_host[i] = True
+        b.staged = []
+        self.timeline.add("cpu_accumulate", b.index, start, time.perf_counter())
+
+    def _update(self, b: _Bucket) -> None:
+        """Worker: Adam on the bucket's params that have gradients, then copy weights back."""
+        if self._cuda and b.staged:
+            self._add_staged(b)
+        elif self._cuda and b.d2h_done is not None:
+            b.d2h_done.synchronize()
+        idx = [i for i in range(len(b.params)) if b.has_grad[i]]
+        if not idx:
+            return
+        start = time.perf_counter()
+        g = b.group
+        beta1, beta2 = g["betas"]
+        steps = [b.steps[i] for i in idx]
+        torch._foreach_add_(steps, 1.0)
+        fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+        fused(
+            [b.view(b.master, i) for i in idx],
+            [b.view(b.grad, i) for i in idx],
+            [b.view(b.exp_avg, i) for i in idx],
+            [b.view(b.exp_avg_sq, i) for i in idx],
+            [],
+            steps,
+            lr=float(g["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=float(g["weight_decay"]),
+            eps=float(g["eps"]),
+            amsgrad=False,
+            maximize=False,
+        )
+        for i in idx:
+            b.has_grad[i] = b.on_host[i] = False
+        self._copy_back(b, idx)
+        self.timeline.add("cpu_update", b.index, start, time.perf_counter())
+
+    def _copy_back(self, b: _Bucket, idx: list[int]) -> None:
+        """Cast updated masters to the working dtype and put them on the device."""
+        if not self._cuda:
+            for i in idx:
+                b.view(b.work, i).copy_(b.view(b.master, i))
+            return
+        if b.h2d_done is not None:
+            b.h2d_done.synchronize()  # the previous copy-back still reads weight_stage
+        if len(idx) == len(b.params):
+            b.weight_stage.copy_(b.master)
+        else:
+            for i in idx:
+                b.view(b.weight_stage, i).copy_(b.view(b.master, i))
+        # Ordered after the compute stream's last use of these weights (D2H waited for it).
+        if b.d2h_done is not None:
+            self._h2d_stream.wait_event(b.d2h_done)
+        start = self.timeline.mark(self._h2d_stream)
+        with torch.cuda.stream(self._h2d_stream):
+            b.work.copy_(b.weight_stage, non_blocking=True)
+        self.timeline.add("h2d", b.index, start, self.timeline.mark(self._h2d_stream))
+        ev = torch.cuda.Event()
+        ev.record(self._h2d_stream)
+        b.h2d_done = ev
+
+    def _submit(self, fn, b: _Bucket) -> Future:
+        if not self._cuda:
+            return self._pool.submit(fn, b)
+
+        def on_device() -> None:
+            with torch.cuda.device(self.device):
+                fn(b)
+
+        return self._pool.submit(on_device)
+
+    def _wait_host(self, b: _Bucket) -> None:
+        if b.job is not None:
+            b.job.result()
+            b.job = None
+
+    # ----------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, scale: float | Tensor | None = None) -> bool:
+        """Finish the optimizer step; returns False if it was skipped for inf/NaN gradients.
+
+        ``scale``: the loss scale the gradients carry (overrides one given to :meth:`backward`).
+        Blocks until every bucket is updated on the CPU; the working weights' copy-back is
+        ordered before any later work on the current CUDA stream.
+        """
+        if scale is not None:
+            self._scale = float(scale)
+        self._flush_reported(update=False)
+        self.found_inf = False
+        if self._scale is not None:
+            self.found_inf = self._unscale_and_check(self._scale)
+        for b in self._buckets:
+            self._wait_host(b)  # an update started in backward clears has_grad when done
+            if self.found_inf:
+                b.has_grad = [False] * len(b.params)
+                b.on_host = [False] * len(b.params)
+            elif any(b.has_grad):
+                if self._cuda:
+                    self._start_d2h(b)
+                b.job = self._submit(self._update, b)
+        for b in self._buckets:
+            self._wait_host(b)
+        if self._cuda:
+            # Later kernels must see the new weights, and must not overwrite gpu_acc mid-copy.
+            compute = torch.cuda.current_stream(self.device)
+            for b in self._buckets:
+                for ev in (b.d2h_done, b.h2d_done):
+                    if ev is not None:
+                        compute.wait_event(ev)
+        self._scale = None
+        return not self.found_inf
+
+    def _unscale_and_check(self, scale: float) -> bool:
+        """Bring every gradient to the host, divide by ``scale``; True if any is inf/NaN."""
+        for b in self._buckets:
+            self._wait_host(b)
+            if self._cuda and any(b.has_grad):
+                self._start_d2h(b)
+                if b.staged:
+                    b.job = self._submit(self._add_staged, b)
+        for b in self._buckets:
+            self._wait_host(b)
+            if b.d2h_done is not None:
+                b.d2h_done.synchronize()
+        grads = [b.view(b.grad, i) for b in self._buckets for i, h in enumerate(b.has_grad) if h]
+        found_inf = torch.zeros(1)
+        if grads:
+            inv = torch.full((1,), 1.0 / scale)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+        return bool(found_inf)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop gradients accumulated since the last step (``set_to_none`` is accepted for
+        compatibility; accumulated gradients are always discarded, not zero-filled)."""
+        del set_to_none
+        for b in self._buckets:
+            self._wait_host(b)
+            b.reported, b.staged = [], []
+            b.has_grad = [False] * len(b.params)
+            b.on_host = [False] * len(b.params)
+            for p in b.params:
+                p.grad = None
+        self._scale = None
+
+    # ----------------------------------------------------------------------------- state
+    def _ordered_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim layout: ``{"state": {idx: {step, exp_avg, exp_avg_sq, master}},
+        "param_groups": [...]}``; tensors are fresh CPU copies with the parameters' shapes."""
+        for b in self._buckets:
+            self._wait_host(b)
+        state: dict[int, dict[str, Tensor]] = {}
+        for idx, p in enumerate(self._ordered_params()):
+            b, i = self._where[p]
+            if float(b.steps[i]) == 0:
+                continue  # never stepped: torch.optim has no state for it either
+            state[idx] = {
+                "step": b.steps[i].clone(),
+                "exp_avg": b.view(b.exp_avg, i).clone(),
+                "exp_avg_sq": b.view(b.exp_avg_sq, i).clone(),
+                "master": b.view(b.master, i).clone(),
+            }
+        groups, start = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry.update(
+                amsgrad=False,
+                maximize=False,
+                decoupled_weight_decay=self.adamw,
+                params=list(range(start, start + n)),
+            )
+            groups.append(entry)
+            start += n
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore hyper-parameters, moments, step counts and masters; re-cast working weights.
+
+        A state without ``master`` entries (e.g. from ``torch.optim.Adam``) keeps the current
+        masters for those parameters.
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(g["params"])
+            for a, g in zip(groups, self.param_groups, strict=True)
+        ):
+            raise ValueError("state_dict has a different number of param groups or parameters")
+        self.zero_grad()
+        for saved, g in zip(groups, self.param_groups, strict=True):
+            for k in _GROUP_DEFAULT_KEYS:
+                g[k] = tuple(saved[k]) if k == "betas" else saved[k]
+        params = self._ordered_params()
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        for idx, p in enumerate(params):
+            b, i = self._where[p]
+            s = saved_state.get(idx)
+            if s is None:
+                b.steps[i].zero_()
+                b.view(b.exp_avg, i).zero_()
+                b.view(b.exp_avg_sq, i).zero_()
+                continue
+            for key, flat in (("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)):
+                if s[key].shape != p.shape:
+                    raise ValueError(
+                        f"state_dict[{idx}][{key!r}] has shape {tuple(s[key].shape)}, "
+                        f"parameter has {tuple(p.shape)}"
+                    )
+                b.view(flat, i).copy_(s[key])
+            b.steps[i].fill_(float(s["step"]))
+            if "master" in s:
+                b.view(b.master, i).copy_(s["master"])
+        if self._cuda:  # queued kernels may still read the old weights
+            self._h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for b in self._buckets:
+            self._copy_back(b, list(range(len(b.params))))
+            if self._cuda and b.h2d_done is not None:
+                torch.cuda.current_stream(self.device).wait_event(b.h2d_done)
+
+    def master_params(self) -> list[Tensor]:
+        """Views of the fp32 masters, in ``param_groups`` order (read-only use, please)."""
+        out = []
+        for p in self._ordered_params():
+            b, i = self._where[p]
+            out.append(b.view(b.master, i))
+        return out
+
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the worker thread."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._pool.shutdown(wait=True)
+
+
+class CPUOffloadAdamW(CPUOffloadAdam):
+    """:class:`CPUOffloadAdam` with decoupled weight decay (``torch.optim.AdamW``), wd 1e-2."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, adamw=True, **kwargs)
+
+
+def _make_groups(
+    params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Param groups as torch.optim builds them, validated the way torch validates them."""
+    items = list(params)
+    if not items:
+        raise ValueError("CPUOffloadAdam got an empty parameter list")
+    groups = items if isinstance(items[0], dict) else [{"params": items}]
+    out, seen = [], set()
+    for g in groups:
+        ps = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
+        unknown = set(g) - {"params", *_GROUP_DEFAULT_KEYS}
+        if unknown:
+            raise ValueError(f"unsupported param-group options {sorted(unknown)}")
+        group = {**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": ps}
+        _validate(group)
+        for p in ps:
+            if not p.is_leaf or not p.requires_grad:
+                raise ValueError("CPUOffloadAdam needs leaf tensors that require grad")
+            if not p.is_floating_point():
+                raise ValueError(f"parameter of dtype {p.dtype} is not floating point")
+            if p in seen:
+                raise ValueError("a parameter appears in more than one param group")
+            seen.add(p)
+        out.append(group)
+    return out
+
+
+def _validate(g: dict[str, Any]) -> None:
+    lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+    if not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"invalid learning rate: {lr}")
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"invalid betas: {(b1, b2)}")
+    if not eps >= 0.0:
+        raise ValueError(f"invalid eps: {eps}")
+    if not wd >= 0.0:
+        raise ValueError(f"invalid weight_decay: {wd}")
