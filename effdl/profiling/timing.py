@@ -55,10 +55,17 @@ class TimingStats:
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """``"auto"``/None -> CUDA when available, else CPU; anything else is passed to torch.device."""
+    """``"auto"``/None -> CUDA when available, else CPU; anything else is passed to torch.device.
+
+    A CUDA device always comes back with its index (``cuda`` -> ``cuda:<current>``): some torch
+    APIs, such as ``set_per_process_memory_fraction``, refuse an index-less device.
+    """
     if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _synchronize(device: torch.device) -> None:

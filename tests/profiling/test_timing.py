@@ -112,3 +112,9 @@ def test_peak_memory_cuda_sees_region_allocation():
     with peak_memory("cuda") as mem2:
         pass
     assert mem2.gib < 0.25  # reset on entry: the earlier tensor does not count
+
+
+@pytest.mark.gpu
+def test_resolve_device_gives_cuda_an_index():
+    assert resolve_device("cuda").index == torch.cuda.current_device()
+    assert resolve_device("auto").index is not None
