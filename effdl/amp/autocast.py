@@ -1,0 +1,205 @@
+"""Autocast written without ``torch.autocast``: per-op precision chosen by a torch-function mode.
+
+Inside ``with Autocast("cuda", torch.float16):`` every call to a torch function, a Tensor method
+or a ``torch.nn.functional`` function passes through :class:`_CastingMode` (a
+``TorchFunctionMode``) before it runs. One dict lookup sorts it into a policy:
+
+* ``LOW``: matrix-multiply-class ops (linear, matmul/mm/bmm/addmm/baddbmm, einsum,
+  convolutions, scaled-dot-product and multi-head attention): floating inputs on the region's
+  device are cast to the low dtype, so they run on tensor cores and return low precision.
+* ``FP32``: ops that need fp32's range or accumulation (normalizations, softmax/log-softmax,
+  losses, exp/log/pow-like pointwise ops, sums/products/norms): low-precision inputs are cast
+  to fp32 and the result is fp32.
+* everything else runs untouched in whatever dtype it receives.
+
+The lists follow torch.autocast's CUDA policy, with one deliberate difference: batch norm is an
+``FP32`` op here (torch leaves it in the input dtype). The same policy applies on CPU (where
+torch's own CPU policy keeps layer norm and softmax in bf16).
+
+Parameters (leaf tensors that require grad) are cast once per region: the low-precision copy is
+cached, keyed on the parameter, and the cache is dropped when the outermost region exits. The
+casts are ordinary differentiable ``Tensor.to`` calls, so backward returns fp32 gradients to
+fp32 parameters. Casts are not cached under ``torch.no_grad()`` (such a copy carries no graph and
+must not be reused by a later differentiable forward in the same region).
+
+Scope: Python functions the mode does not know (e.g. a ``torch.nn.functional`` helper not in the
+tables) are opaque to it: their inner ops run in the dtypes they are given. Only out-of-place ops
+are cast; RNN modules are not covered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+LOW, FP32 = 1, 2
+_CASTABLE = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+_LOW_NAMES = (
+    "linear", "bilinear", "matmul", "mm", "mv", "bmm", "addmm", "addmv", "addr", "addbmm",
+    "baddbmm", "chain_matmul", "multi_dot", "einsum", "prelu",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "conv_tbc", "convolution", "scaled_dot_product_attention", "multi_head_attention_forward",
+    "__matmul__", "__rmatmul__",
+)  # fmt: skip
+_FP32_NAMES = (
+    # normalizations
+    "layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "local_response_norm",
+    "normalize",
+    # softmax family and range-sensitive reductions
+    "softmax", "log_softmax", "softmin", "logsumexp", "sum", "prod", "cumsum", "cumprod",
+    "norm", "vector_norm", "matrix_norm", "dist", "cdist", "pdist", "renorm", "cosine_similarity",
+    # pointwise ops whose results leave fp16's range or lose its precision
+    "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "pow", "__pow__",
+    "__rpow__", "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv",
+    # losses
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cross_entropy", "nll_loss",
+    "kl_div", "l1_loss", "mse_loss", "smooth_l1_loss", "huber_loss", "poisson_nll_loss",
+    "gaussian_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "multilabel_soft_margin_loss", "soft_margin_loss",
+    "triplet_margin_loss", "multi_margin_loss",
+)  # fmt: skip
+_NAMESPACES = (torch, torch.Tensor, F, torch._C._nn, torch.linalg, torch.functional)
+
+
+def _collect(names: Iterable[str]) -> set:
+    funcs = set()
+    for name in names:
+        for ns in _NAMESPACES:
+            f = getattr(ns, name, None)
+            if callable(f):
+                funcs.add(f)
+    return funcs
+
+
+_POLICY: dict[Any, int] = {f: FP32 for f in _collect(_FP32_NAMES)}
+_POLICY.update({f: LOW for f in _collect(_LOW_NAMES)})
+
+
+def policy_of(func: Any) -> str | None:
+    """``"low"``, ``"fp32"`` or None (runs as given) for a torch function object."""
+    return {LOW: "low", FP32: "fp32", None: None}[_POLICY.get(func)]
+
+
+class _CastingMode(TorchFunctionMode):
+    """The one mode installed per thread while any Autocast region is open.
+
+    ``low`` maps a device type ("cuda", "cpu") to its low dtype, or to None inside an
+    ``enabled=False`` region; nested regions save and restore entries of it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low: dict[str, torch.dtype | None] = {}
+        self.cache_enabled = True
+        self.cache: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kind = _POLICY.get(func)
+        if kind is None:
+            return func(*args, **(kwargs or {}))
+        cast = self._cast
+        args = [cast(a, kind) for a in args]
+        if kwargs:
+            kwargs = {k: cast(v, kind) for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+        return func(*args)
+
+    def _cast(self, a: Any, kind: int) -> Any:
+        if isinstance(a, Tensor):
+            if a.dtype not in _CASTABLE:  # integers, bool, fp64 stay as they are
+                return a
+            low = self.low.get("cuda" if a.is_cuda else a.device.type)
+            if low is None:
+                return a
+            if kind == LOW:
+                return a if a.dtype is low else self._to_low(a, low)
+            return a if a.dtype is torch.float32 else a.float()
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor):
+            return type(a)([self._cast(t, kind) for t in a])
+        return a
+
+    def _to_low(self, t: Tensor, low: torch.dtype) -> Tensor:
+        if not (self.cache_enabled and t.is_leaf and t.requires_grad and torch.is_grad_enabled()):
+            return t.to(low)
+        hit = self.cache.get(id(t))
+        if hit is not None and hit[0] is t and hit[1].dtype is low:
+            return hit[1]
+        cast = t.to(low)
+        # Keep t alive with its copy, so its id cannot be reused within the region.
+        self.cache[id(t)] = (t, cast)
+        return cast
+
+
+_local = threading.local()
+
+
+class Autocast:
+    """Mixed precision for a region of code, without ``torch.autocast``.
+
+    ``Autocast(device_type, dtype=torch.float16, enabled=True, cache_enabled=True)``: within
+    the region, ops on ``device_type`` tensors follow the policy in this module's docstring
+    (matrix ops in ``dtype``, precision-sensitive ops in fp32). Regions nest: an inner region
+    overrides the outer one for its device type until it exits (``enabled=False`` turns casting
+    off). Use it for the forward pass and the loss; run ``backward()`` and the optimizer step
+    outside (the parameter-cast cache assumes parameters do not change inside a region).
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool = True,
+    ) -> None:
+        if device_type not in ("cuda", "cpu"):
+            raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+        if dtype is None:
+            dtype = torch.float16 if device_type == "cuda" else torch.bfloat16
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        self.device_type = device_type
+        self.dtype = dtype
+        self.enabled = enabled
+        self.cache_enabled = cache_enabled
+        self._saved: list[tuple] = []
+
+    def __enter__(self) -> Autocast:
+        mode = getattr(_local, "mode", None)
+        outermost = mode is None
+        if outermost:
+            mode = _local.mode = _CastingMode()
+            _local.depth = 0
+        self._saved.append((mode.low.get(self.device_type), mode.cache_enabled))
+        mode.low[self.device_type] = self.dtype if self.enabled else None
+        mode.cache_enabled = self.cache_enabled
+        _local.depth += 1
+        if outermost:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        mode = _local.mode
+        previous, cache_enabled = self._saved.pop()
+        mode.low[self.device_type] = previous
+        mode.cache_enabled = cache_enabled
+        _local.depth -= 1
+        if _local.depth == 0:
+            mode.cache.clear()
+            _local.mode = None
+            mode.__exit__(*exc)
+
+    def __call__(self, fn):
+        """Use as a decorator: run ``fn`` inside a fresh region with these settings."""
+
+        def wrapped(*args, **kwargs):
+            with Autocast(self.device_type, self.dtype, self.enabled, self.cache_enabled):
+                return fn(*args, **kwargs)
+
+        return wrapped

@@ -1,0 +1,239 @@
+"""Autocast against torch.autocast: per-op output dtypes, a small model's loss and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from effdl.amp import Autocast
+from effdl.amp.autocast import _local, policy_of
+
+# (name, op, input factory): matrix ops that both policies run in the low dtype.
+MATRIX_OPS = [
+    ("linear", lambda a, b, c: F.linear(a, b, c[:8])),
+    ("matmul", lambda a, b, c: torch.matmul(a, b)),
+    ("@", lambda a, b, c: a @ b),
+    ("Tensor.mm", lambda a, b, c: a.mm(b)),
+    ("bmm", lambda a, b, c: torch.bmm(a[None], b[None])),
+    ("addmm", lambda a, b, c: torch.addmm(c[:8], a, b)),
+    ("baddbmm", lambda a, b, c: torch.baddbmm(c[None, None, :8], a[None], b[None])),
+    ("conv1d", lambda a, b, c: F.conv1d(a[None], b[:, :, None])),
+    ("conv2d", lambda a, b, c: F.conv2d(a[None, None], b[None, None, :3, :3])),
+    ("conv3d", lambda a, b, c: F.conv3d(a[None, None, None], b[None, None, None, :1, :3])),
+    ("conv_transpose2d", lambda a, b, c: F.conv_transpose2d(a[None, None], b[None, None, :2, :2])),
+    ("sdpa", lambda a, b, c: F.scaled_dot_product_attention(a[None], b[None], a[None])),
+]
+# fp32 ops that torch's CPU policy also runs in fp32 (losses).
+LOSS_OPS = [
+    ("mse_loss", lambda a, b, c: F.mse_loss(a, b)),
+    ("l1_loss", lambda a, b, c: F.l1_loss(a, b)),
+    ("bce_with_logits", lambda a, b, c: F.binary_cross_entropy_with_logits(a, b.sigmoid())),
+    ("nll_loss", lambda a, b, c: F.nll_loss(a, torch.zeros(8, dtype=torch.long))),
+    ("smooth_l1_loss", lambda a, b, c: F.smooth_l1_loss(a, b)),
+    ("kl_div", lambda a, b, c: F.kl_div(a, b, reduction="batchmean")),
+]
+# fp32 ops where torch's CPU policy keeps bf16 but its CUDA policy (and ours) use fp32.
+NORM_OPS = [
+    ("layer_norm", lambda a, b, c: F.layer_norm(a, (8,), c[:8], c[8:])),
+    ("group_norm", lambda a, b, c: F.group_norm(a[None], 2)),
+    ("softmax", lambda a, b, c: F.softmax(a, -1)),
+    ("Tensor.softmax", lambda a, b, c: a.softmax(-1)),
+    ("log_softmax", lambda a, b, c: F.log_softmax(a, -1)),
+    ("sum", lambda a, b, c: a.sum()),
+    ("exp", lambda a, b, c: torch.exp(a)),
+    ("pow", lambda a, b, c: a**2),
+    ("cross_entropy", lambda a, b, c: F.cross_entropy(a, torch.zeros(8, dtype=torch.long))),
+]
+
+
+def _inputs(device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(*s, generator=g) for s in ((8, 8), (8, 8), (16,)))
+    return [t.to(device=device, dtype=dtype) for t in (a, b, c)]
+
+
+def _dtype_under(ctx, op, device, dtype=torch.float32):
+    with ctx:
+        return op(*_inputs(device, dtype)).dtype
+
+
+@pytest.mark.parametrize(
+    "name,op", MATRIX_OPS + LOSS_OPS, ids=lambda v: v if isinstance(v, str) else ""
+)
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_output_dtypes_match_torch_autocast(name, op, input_dtype):
+    ref = _dtype_under(torch.autocast("cpu", torch.bfloat16), op, "cpu", input_dtype)
+    own = _dtype_under(Autocast("cpu", torch.bfloat16), op, "cpu", input_dtype)
+    assert own == ref
+
+
+@pytest.mark.parametrize("name,op", NORM_OPS, ids=lambda v: v if isinstance(v, str) else "")
+def test_cpu_precision_sensitive_ops_run_in_fp32(name, op):
+    assert _dtype_under(Autocast("cpu", torch.bfloat16), op, "cpu", torch.bfloat16) == torch.float32
+
+
+def test_batch_norm_runs_in_fp32_and_fp64_is_left_alone():
+    bn = nn.BatchNorm2d(3)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.bfloat16)
+    with Autocast("cpu"):
+        assert bn(x).dtype == torch.float32
+        d = torch.randn(4, 4, dtype=torch.float64)
+        assert (d @ d).dtype == torch.float64
+        i = torch.ones(3, dtype=torch.long)
+        assert i.sum().dtype == torch.long
+    assert policy_of(F.batch_norm) == "fp32" and policy_of(F.linear) == "low"
+    assert policy_of(F.relu) is None
+
+
+def _small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(4, 16, 3, padding=1),
+        nn.GELU(),
+        nn.Flatten(),
+        nn.Linear(16 * 12, 32),
+        nn.LayerNorm(32),
+        nn.Linear(32, 5),
+    )
+
+
+def _loss_and_grads(ctx, model, x, y):
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def test_small_model_loss_and_grads_match_torch_autocast_cpu_bf16():
+    model = _small_model()
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 4, 12), torch.randint(0, 5, (64,))
+    ref_loss, ref_grads = _loss_and_grads(torch.autocast("cpu", torch.bfloat16), model, x, y)
+    own_loss, own_grads = _loss_and_grads(Autocast("cpu", torch.bfloat16), model, x, y)
+    fp32_loss, _ = _loss_and_grads(Autocast("cpu", enabled=False), model, x, y)
+    assert own_loss.dtype == torch.float32
+    torch.testing.assert_close(own_loss, ref_loss, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(own_loss, fp32_loss, rtol=2e-2, atol=1e-2)
+    for g, r, p in zip(own_grads, ref_grads, model.parameters(), strict=True):
+        assert g.dtype == p.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-3)
+
+
+def test_each_parameter_is_cast_once_per_region_and_cache_is_cleared():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    with Autocast("cpu"):
+        a, b = lin(x), lin(x)
+        cache = _local.mode.cache
+        assert {id(lin.weight), id(lin.bias)} == set(cache)
+        cached_weight = cache[id(lin.weight)][1]
+        assert cached_weight.dtype == torch.bfloat16
+        # both uses read the same low-precision copy
+        assert a.grad_fn.next_functions[1][0] is b.grad_fn.next_functions[1][0]
+        with torch.no_grad():
+            lin(x)  # no-grad casts are not cached (they carry no graph)
+        assert len(cache) == 2
+    assert len(cache) == 0 and getattr(_local, "mode", None) is None
+    (a.float().sum() + b.float().sum()).backward()
+    torch.testing.assert_close(lin.weight.grad, 2 * x.sum(0).expand(8, 8), rtol=2e-2, atol=2e-2)
+
+
+def test_nesting_and_disabled_regions():
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    with Autocast("cpu"):
+        assert (x @ w).dtype == torch.bfloat16
+        with Autocast("cpu", enabled=False):
+            assert (x @ w).dtype == torch.float32
+            with Autocast("cpu"):
+                assert (x @ w).dtype == torch.bfloat16
+            assert (x @ w).dtype == torch.float32
+        with Autocast("cuda"):  # another device type leaves CPU casting as it was
+            assert (x @ w).dtype == torch.bfloat16
+        assert (x @ w).dtype == torch.bfloat16
+    assert (x @ w).dtype == torch.float32
+    with Autocast("cpu", enabled=False):
+        assert (x @ w).dtype == torch.float32
+
+
+def test_decorator_and_exception_restore_state():
+    @Autocast("cpu")
+    def f(a):
+        return a @ a
+
+    assert f(torch.randn(3, 3)).dtype == torch.bfloat16
+    with pytest.raises(KeyError), Autocast("cpu"):
+        raise KeyError("boom")
+    assert getattr(_local, "mode", None) is None
+    assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.float32
+
+
+def test_transformer_layer_attention_runs_in_low_precision():
+    layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    seen = []
+    hook = layer.linear1.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+    with Autocast("cpu"):
+        out, _ = layer.self_attn(x, x, x, need_weights=False)
+        assert out.dtype == torch.bfloat16
+        y = layer(x, x)
+    hook.remove()
+    assert y.dtype == torch.float32  # ends in a LayerNorm
+    assert seen == [(torch.float32, torch.bfloat16)]
+    y.sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in layer.parameters())
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="device_type"):
+        Autocast("mps")
+    with pytest.raises(ValueError, match="dtype"):
+        Autocast("cpu", torch.float64)
+
+
+CUDA_EXTRA = [
+    ("layer_norm", lambda a, b, c: F.layer_norm(a, (8,), c[:8], c[8:])),
+    ("group_norm", lambda a, b, c: F.group_norm(a[None], 2)),
+    ("softmax", lambda a, b, c: F.softmax(a, -1)),
+    ("log_softmax", lambda a, b, c: F.log_softmax(a, -1)),
+    ("sum", lambda a, b, c: a.sum()),
+    ("exp", lambda a, b, c: torch.exp(a)),
+    ("pow", lambda a, b, c: a**2),
+    (
+        "cross_entropy",
+        lambda a, b, c: F.cross_entropy(a, torch.zeros(8, dtype=torch.long, device=a.device)),
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name,op", MATRIX_OPS + CUDA_EXTRA, ids=lambda v: v if isinstance(v, str) else ""
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_output_dtypes_match_torch_autocast(name, op, dtype):
+    for input_dtype in (torch.float32, dtype):
+        ref = _dtype_under(torch.autocast("cuda", dtype), op, "cuda", input_dtype)
+        own = _dtype_under(Autocast("cuda", dtype), op, "cuda", input_dtype)
+        assert own == ref, (name, input_dtype)
+
+
+@pytest.mark.gpu
+def test_cuda_fp16_small_model_matches_torch_autocast_and_works_with_gradscaler():
+    model = _small_model().cuda()
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 4, 12, device="cuda"), torch.randint(0, 5, (64,), device="cuda")
+    ref_loss, ref_grads = _loss_and_grads(torch.autocast("cuda", torch.float16), model, x, y)
+    own_loss, own_grads = _loss_and_grads(Autocast("cuda", torch.float16), model, x, y)
+    torch.testing.assert_close(own_loss, ref_loss, rtol=2e-3, atol=2e-3)
+    for g, r in zip(own_grads, ref_grads, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-3)
+    scaler = torch.amp.GradScaler("cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Autocast("cuda", torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**16

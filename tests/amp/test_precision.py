@@ -1,0 +1,53 @@
+import pytest
+import torch
+from torch import nn
+
+from effdl.amp import DynamicGradScaler, StaticGradScaler
+from effdl.amp.precision import PrecisionSpec, build_precision
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "spec,scaler_type,low_output",
+    [
+        (PrecisionSpec(), StaticGradScaler, False),
+        (PrecisionSpec("torch", "torch"), torch.amp.GradScaler, True),
+        (PrecisionSpec("torch", "static"), StaticGradScaler, True),
+        (PrecisionSpec("own", "dynamic"), DynamicGradScaler, True),
+    ],
+)
+def test_setups_build_the_named_pieces_and_train(spec, scaler_type, low_output):
+    prec = build_precision(spec, CPU, torch.bfloat16, growth_interval=2)
+    assert isinstance(prec.scaler, scaler_type)
+    lin = nn.Linear(4, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        with prec.autocast():
+            out = lin(torch.ones(2, 4))
+        assert (out.dtype == torch.bfloat16) == low_output
+        prec.scaler.scale(out.float().pow(2).mean()).backward()
+        prec.scaler.step(opt)
+        prec.scaler.update()
+        scale, skipped = prec.scale_and_skipped()
+        assert not skipped
+    expected = {"none": 1.0, "static": 2.0**16, "torch": 2.0**17, "dynamic": 2.0**17}[spec.scaler]
+    assert scale == expected
+
+
+def test_torch_scaler_skip_is_detected_from_backoff():
+    prec = build_precision(PrecisionSpec("torch", "torch"), CPU, torch.bfloat16)
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    prec.scaler.scale((p * float("inf")).sum()).backward()
+    prec.scaler.step(opt)
+    prec.scaler.update()
+    assert prec.scale_and_skipped() == (2.0**15, True)
+
+
+def test_unknown_names_are_rejected():
+    with pytest.raises(ValueError, match="autocast"):
+        PrecisionSpec("apex", "none")
+    with pytest.raises(ValueError, match="scaler"):
+        PrecisionSpec("none", "loss")

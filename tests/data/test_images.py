@@ -1,0 +1,91 @@
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from effdl.data.images import (
+    CarvanaLayoutError,
+    SyntheticCarvanaConfig,
+    carvana_pairs,
+    generate_synthetic_carvana,
+    load_carvana_tensors,
+    load_pair,
+    synthetic_car,
+)
+
+CFG = SyntheticCarvanaConfig(n_images=6, width=96, height=64, views_per_car=3, seed=3)
+
+
+@pytest.fixture(scope="module")
+def synthetic_root(tmp_path_factory):
+    return generate_synthetic_carvana(tmp_path_factory.mktemp("carvana") / "set", CFG, workers=2)
+
+
+def test_synthetic_set_has_carvana_layout(synthetic_root):
+    pairs = carvana_pairs(synthetic_root)
+    assert len(pairs) == 6
+    img, mask = pairs[0]
+    assert img.parent.name == "train" and mask.parent.name == "train_masks"
+    assert mask.name == f"{img.stem}_mask.gif" and img.stem.endswith(("_01", "_02", "_03"))
+    assert Image.open(img).size == (96, 64)
+
+
+def test_generation_is_deterministic_and_masks_cover_a_car():
+    a_img, a_mask = synthetic_car(CFG, 4)
+    b_img, b_mask = synthetic_car(CFG, 4)
+    assert np.array_equal(np.asarray(a_img), np.asarray(b_img))
+    assert np.array_equal(np.asarray(a_mask), np.asarray(b_mask))
+    frac = (np.asarray(a_mask) > 0).mean()
+    assert 0.05 < frac < 0.5
+    other, _ = synthetic_car(SyntheticCarvanaConfig(seed=4, width=96, height=64), 4)
+    assert not np.array_equal(np.asarray(a_img), np.asarray(other))
+
+
+def test_car_pixels_differ_from_background():
+    img, mask = synthetic_car(SyntheticCarvanaConfig(width=192, height=128), 0)
+    x, m = np.asarray(img, np.float32), np.asarray(mask) > 0
+    assert np.abs(x[m].mean(0) - x[~m].mean(0)).max() > 10
+
+
+def test_load_pair_resizes_and_binarises(synthetic_root):
+    img, msk = load_pair(*carvana_pairs(synthetic_root)[0], size=32)
+    assert img.shape == (3, 32, 32) and img.dtype == np.uint8
+    assert msk.shape == (32, 32) and set(np.unique(msk)) <= {0, 1} and msk.any()
+
+
+def test_tensor_cache_is_written_and_reused(synthetic_root, tmp_path):
+    first = load_carvana_tensors(synthetic_root, size=32, cache_dir=tmp_path, workers=2)
+    files = list(tmp_path.glob("carvana_32px_*.pt"))
+    assert len(files) == 1
+    second = load_carvana_tensors(synthetic_root, size=32, cache_dir=tmp_path, workers=1)
+    assert torch.equal(first.images, second.images) and torch.equal(first.masks, second.masks)
+    assert first.names == second.names and len(first) == 6
+    direct = load_pair(*carvana_pairs(synthetic_root)[2], size=32)
+    assert np.array_equal(first.images[2].numpy(), direct[0])
+
+
+def test_existing_set_is_reused(synthetic_root):
+    marker = synthetic_root / "synthetic.json"
+    before = marker.stat().st_mtime_ns
+    generate_synthetic_carvana(synthetic_root, CFG, workers=1)
+    assert marker.stat().st_mtime_ns == before
+
+
+def test_layout_errors_are_one_line_and_name_the_problem(tmp_path):
+    with pytest.raises(CarvanaLayoutError, match="is not a folder"):
+        carvana_pairs(tmp_path / "nope")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(CarvanaLayoutError, match="train_masks"):
+        carvana_pairs(tmp_path)
+    (tmp_path / "train_masks").mkdir()
+    with pytest.raises(CarvanaLayoutError, match=r"no \.jpg images"):
+        carvana_pairs(tmp_path)
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "car_01.jpg")
+    with pytest.raises(CarvanaLayoutError, match="1 of 1 images have no mask") as e:
+        carvana_pairs(tmp_path)
+    assert "\n" not in str(e.value) and "car_01_mask.gif" in str(e.value)
+
+
+def test_invalid_config():
+    with pytest.raises(ValueError):
+        generate_synthetic_carvana("/tmp/never-written", SyntheticCarvanaConfig(n_images=0))
