@@ -38,10 +38,15 @@ demo: $(STAMP)
 	@echo
 	@echo "demo done: run logs in $(RUNS)/<task>/, executed reports (ipynb + html) in $(RUNS)/reports/"
 
-demo-task1:
-	@echo "== task1_loss_scaling: not written yet (issue #3)"
-demo-task2:
-	@echo "== task2_batching: not written yet (issue #4)"
+demo-task1: $(STAMP)
+	@echo "== task1_loss_scaling: UNet segmentation under every precision/scaler mode (quick)"
+	$(PY) task1_loss_scaling/train_unet.py --quick --device cpu --out $(RUNS)/task1
+demo-task2: $(STAMP)
+	@echo "== task2_batching: padded, bucketed and packed pipelines (quick)"
+	$(PY) task2_batching/mock_epoch.py --quick --device cpu --out $(RUNS)/task2
+	$(PY) task2_batching/train_pipelines.py --quick --device cpu --out $(RUNS)/task2
+	$(PY) task2_batching/sampler_costs.py --quick --out $(RUNS)/task2
+	$(PY) task2_batching/packing_costs.py --quick --out $(RUNS)/task2
 demo-task3:
 	@echo "== task3_vit_profiling: not written yet (no issue filed)"
 demo-gpt2: $(STAMP)

@@ -1,0 +1,155 @@
+"""The GPT-2-like language model of the batching assignments (seed 000 Task 2, seed 001).
+
+``nn.Embedding`` -> sinusoidal :class:`PositionalEncoding` -> ``n_layers`` of
+``nn.TransformerDecoderLayer`` (causal self-attention, padding masked as keys) -> LM head.
+The defaults are the assignment's mock model: d_model 1024, 8 heads, one layer, the feed-forward
+width and dropout of PyTorch's decoder layer (2048, 0.1).
+
+The decoder layer also has cross-attention and therefore needs a ``memory`` input, which a
+decoder-only LM does not have. We pass one all-zero memory vector per sequence: attention over a
+single key has weight 1, so cross-attention reduces to a learned constant (``W_o b_v + b_o``)
+and costs two d x d projections per token and no T^2 term. (Passing the input itself as memory
+would double the attention cost and, without a causal memory mask, leak future tokens.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class PositionalEncoding(nn.Module):
+    """Fixed sinusoidal position signal (Vaswani et al. 2017) added to (B, T, d) inputs.
+
+    ``pe[p, 2i] = sin(p / 10000^(2i/d))``, ``pe[p, 2i+1] = cos(p / 10000^(2i/d))``.
+    ``position_ids`` (B, T) lets packed sequences restart positions at every document.
+    """
+
+    def __init__(self, d_model: int, max_length: int = 640, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % 2:
+            raise ValueError(f"d_model must be even, got {d_model}")
+        position = torch.arange(max_length, dtype=torch.float64)[:, None]
+        inv_freq = torch.exp(
+            torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model)
+        )
+        pe = torch.zeros(max_length, d_model, dtype=torch.float64)
+        pe[:, 0::2] = torch.sin(position * inv_freq)
+        pe[:, 1::2] = torch.cos(position * inv_freq)
+        self.register_buffer("pe", pe.float(), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            if x.shape[1] > self.pe.shape[0]:
+                raise ValueError(
+                    f"sequence of {x.shape[1]} tokens exceeds max_length={self.pe.shape[0]}"
+                )
+            pos = self.pe[: x.shape[1]]
+        else:
+            pos = self.pe[position_ids]
+        return self.dropout(x + pos.to(x.dtype))
+
+
+@dataclass(frozen=True)
+class GPTLikeConfig:
+    """Sizes of :class:`GPTLikeModel`; defaults are seed 000's mock model."""
+
+    vocab_size: int = 50_000
+    d_model: int = 1024
+    n_heads: int = 8
+    n_layers: int = 1
+    d_ff: int = 2048
+    dropout: float = 0.1
+    max_length: int = 640
+    norm_first: bool = False  # PyTorch's default post-norm; pre-norm adds a final LayerNorm
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if min(self.vocab_size, self.n_layers, self.d_ff, self.max_length) < 1:
+            raise ValueError("vocab_size, n_layers, d_ff and max_length must be positive")
+
+
+class GPTLikeModel(nn.Module):
+    """Decoder-only LM: ``forward(input_ids, padding_mask) -> logits`` of shape (B, T, V).
+
+    ``padding_mask`` (B, T) bool is True on padding; those positions are never attended to as
+    keys. With right padding every query still sees its own real prefix, so no attention row is
+    fully masked (samples must have at least one token). Logits at padded positions are
+    computed but meaningless; :mod:`effdl.models.lm_objective` ignores them.
+    """
+
+    def __init__(self, cfg: GPTLikeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = PositionalEncoding(cfg.d_model, cfg.max_length, cfg.dropout)
+        layer = nn.TransformerDecoderLayer(
+            cfg.d_model,
+            cfg.n_heads,
+            dim_feedforward=cfg.d_ff,
+            dropout=cfg.dropout,
+            batch_first=True,
+            norm_first=cfg.norm_first,
+        )
+        self.decoder = nn.TransformerDecoder(layer, cfg.n_layers)
+        self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states (B, T, d_model) before the LM head (what seed 000's mock times).
+
+        ``doc_ids`` (B, T) int, for packed rows: a token attends only to earlier tokens of its
+        own document (dense block-diagonal causal mask, see
+        :func:`effdl.ops.document_attention.mha_attn_mask`); pass ``position_ids`` restarting
+        per document with it, and no ``padding_mask`` (padding is a document of its own).
+        """
+        t = input_ids.shape[1]
+        x = self.pos(self.embed(input_ids), position_ids)
+        if doc_ids is None:
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu_(1)
+        else:
+            from effdl.ops.document_attention import mha_attn_mask
+
+            mask = mha_attn_mask(doc_ids, self.cfg.n_heads)
+        memory = x.new_zeros(x.shape[0], 1, x.shape[2])
+        h = self.decoder(
+            x,
+            memory,
+            tgt_mask=mask,
+            tgt_key_padding_mask=padding_mask,
+            tgt_is_causal=doc_ids is None,
+        )
+        return self.final_norm(h)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.lm_head(self.features(input_ids, padding_mask, position_ids, doc_ids))
+
+
+def matmul_flops_per_token(cfg: GPTLikeConfig, seq_len: int, lm_head: bool = True) -> float:
+    """Forward matmul FLOPs per token position of a (B, seq_len) batch (padding included).
+
+    Per layer: self-attention projections 8 d^2, cross-attention query/output 4 d^2 (its
+    key/value projections act on one memory vector per sequence: negligible), feed-forward
+    4 d d_ff, attention scores and weighted sum 4 T d (dense kernels compute the full T x T,
+    causal or not). Plus 2 d V for the LM head. Multiply by 3 for forward + backward.
+    """
+    d = cfg.d_model
+    per_layer = 12 * d * d + 4 * d * cfg.d_ff + 4 * seq_len * d
+    return cfg.n_layers * per_layer + (2 * d * cfg.vocab_size if lm_head else 0)

@@ -1,0 +1,158 @@
+import random
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from effdl.data.padding import PadCollator
+from effdl.data.samplers import (
+    BalancedBatchSampler,
+    UltraDuperBigBrainBatchSampler,
+    UltraDuperBigBrainDataset,
+    _Fenwick,
+    make_loader,
+)
+from effdl.data.tokenize import TokenizedCorpus
+
+
+def epoch(sampler):
+    return [list(b) for b in sampler]
+
+
+@given(
+    st.lists(st.integers(0, 60), min_size=1, max_size=300),
+    st.integers(1, 17),
+    st.integers(0, 25),
+    st.integers(0, 3),
+)
+@settings(max_examples=200, deadline=None)
+def test_invariants_k_bound_each_index_once_batch_size(lengths, batch_size, k, seed):
+    arr = np.array(lengths)
+    sampler = UltraDuperBigBrainBatchSampler(arr, batch_size, k, seed=seed)
+    for _ in range(2):  # two epochs: the second starts from the first's leftover state
+        batches = epoch(sampler)
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(len(lengths)))
+        for b in batches:
+            assert 1 <= len(b) <= batch_size
+            assert arr[b].max() - arr[b].min() <= k
+
+
+def test_batches_are_random_across_epochs_and_reproducible():
+    lengths = np.random.default_rng(0).integers(1, 100, 2000)
+    s = BalancedBatchSampler(lengths, 16, 5, seed=3)
+    e0, e1 = epoch(s), epoch(s)
+    assert e0 != e1
+    s.set_epoch(0)
+    assert epoch(s) == e0  # a pure function of (seed, epoch), whatever ran before
+    fresh = BalancedBatchSampler(lengths, 16, 5, seed=3)
+    fresh.set_epoch(1)
+    assert epoch(fresh) == e1
+    assert epoch(BalancedBatchSampler(lengths, 16, 5, seed=4)) != e0
+    # Randomness inside the epoch: batch order is not sorted by length.
+    firsts = [lengths[b[0]] for b in e0]
+    assert firsts != sorted(firsts) and firsts != sorted(firsts, reverse=True)
+
+
+def test_small_k_gives_some_short_batches_and_large_k_is_big_brain():
+    lengths = np.random.default_rng(1).integers(1, 641, 5000)
+    short = epoch(UltraDuperBigBrainBatchSampler(lengths, 32, 1))
+    assert any(len(b) < 32 for b in short[:-1])
+    # k = 640 >= max - min: one window over everything, every batch full except the last.
+    big = epoch(UltraDuperBigBrainBatchSampler(lengths, 32, 640))
+    assert [len(b) for b in big] == [32] * (5000 // 32) + [5000 % 32]
+    spans = [lengths[b].max() - lengths[b].min() for b in big[:-1]]
+    assert np.mean(spans) > 500  # random batches, like BIG BRAIN with shuffling
+
+
+class CountingRandom(random.Random):
+    calls = 0
+
+    def randrange(self, *args):
+        self.calls += 1
+        return super().randrange(*args)
+
+
+@pytest.mark.parametrize("n", [1_000, 200_000])
+def test_work_per_batch_does_not_depend_on_n(n):
+    lengths = np.random.default_rng(2).integers(1, 641, n)
+    sampler = UltraDuperBigBrainBatchSampler(lengths, 64, 10)
+    rng = CountingRandom(0)
+    batches = sampler._batches(rng)
+    for _ in range(5):
+        before = rng.calls
+        b = next(batches)
+        # seed sample + window offset, then a bucket rank and a slot per index taken:
+        # O(batch_size) random draws, none proportional to n
+        assert rng.calls - before == 2 + 2 * len(b)
+
+
+def test_fenwick_matches_prefix_sums():
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 5, 37).tolist()
+    tree = _Fenwick(counts)
+    for _ in range(50):
+        i = int(rng.integers(37))
+        if counts[i]:
+            tree.add(i, -1)
+            counts[i] -= 1
+        prefix = np.concatenate(([0], np.cumsum(counts)))
+        assert [tree.prefix(j) for j in range(38)] == prefix.tolist()
+        for u in range(int(prefix[-1])):
+            assert tree.find(u) == int(np.searchsorted(prefix, u, side="right") - 1)
+
+
+def test_hash_map_holds_indices_by_length():
+    s = UltraDuperBigBrainBatchSampler(np.array([3, 1, 3, 2, 1]), 2, 0)
+    assert {k: v.tolist() for k, v in s.buckets.items()} == {1: [1, 4], 2: [3], 3: [0, 2]}
+
+
+def test_init_on_wikitext_size_is_fast():
+    lengths = np.random.default_rng(3).integers(1, 641, 1_800_000)
+    start = time.perf_counter()
+    UltraDuperBigBrainBatchSampler(lengths, 64, 5)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_dataloader_integration_pads_at_most_k():
+    seqs = [[7] * n for n in np.random.default_rng(4).integers(1, 30, 200)]
+    ds = UltraDuperBigBrainDataset(TokenizedCorpus.from_sequences(seqs))
+    loader = DataLoader(
+        ds, batch_sampler=UltraDuperBigBrainBatchSampler(ds, 8, 3), collate_fn=PadCollator(0)
+    )
+    total = 0
+    for batch in loader:
+        pads = batch.padding_mask.sum(dim=1)
+        assert int(pads.max()) <= 3
+        total += batch.n_real_tokens
+    assert total == sum(len(s) for s in seqs)
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="batch_size"):
+        UltraDuperBigBrainBatchSampler(np.array([1, 2]), 0, 1)
+    with pytest.raises(ValueError, match="non-empty"):
+        UltraDuperBigBrainBatchSampler(np.array([]), 4, 1)
+    with pytest.raises(ValueError, match="65536"):
+        UltraDuperBigBrainBatchSampler(np.array([70_000]), 4, 1)
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "k"),
+    [("brain", 0), ("bigbrain", 0), ("ultra", 2), ("packed_concat", 0), ("packed_bfd", 0)],
+)
+def test_make_loader_covers_every_token_once(pipeline, k):
+    seqs = [list(range(1, n + 1)) for n in np.random.default_rng(5).integers(1, 12, 60)]
+    corpus = TokenizedCorpus.from_sequences(seqs)
+    batches = list(make_loader(pipeline, corpus, 8, k=k, max_length=12))
+    assert sum(b.n_real_tokens for b in batches) == sum(map(len, seqs))
+    widths = {b.input_ids.shape[1] for b in batches}
+    if pipeline in ("brain", "packed_concat", "packed_bfd"):
+        assert widths == {12}
+    else:
+        assert all(b.input_ids.shape[1] == int(b.lengths.max()) for b in batches)
+    with pytest.raises(ValueError, match="pipeline"):
+        make_loader("huge", corpus, 8)
