@@ -104,12 +104,22 @@ class _CastingMode(TorchFunctionMode):
         kind = _POLICY.get(func)
         if kind is None:
             return func(*args, **(kwargs or {}))
-        cast = self._cast
-        args = [cast(a, kind) for a in args]
+        # One cast per distinct tensor per call: attention checks ``query is key is value`` to
+        # run one packed in-projection GEMM, so casting the same tensor twice would split it in 3.
+        memo: dict[int, Any] = {}
+        args = [self._cast_once(a, kind, memo) for a in args]
         if kwargs:
-            kwargs = {k: cast(v, kind) for k, v in kwargs.items()}
+            kwargs = {k: self._cast_once(v, kind, memo) for k, v in kwargs.items()}
             return func(*args, **kwargs)
         return func(*args)
+
+    def _cast_once(self, a: Any, kind: int, memo: dict[int, Any]) -> Any:
+        if not isinstance(a, Tensor):
+            return self._cast(a, kind)
+        hit = memo.get(id(a))
+        if hit is None:
+            hit = memo[id(a)] = self._cast(a, kind)
+        return hit
 
     def _cast(self, a: Any, kind: int) -> Any:
         if isinstance(a, Tensor):

@@ -237,3 +237,28 @@ def test_cuda_fp16_small_model_matches_torch_autocast_and_works_with_gradscaler(
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 2.0**16
+
+
+def test_self_attention_keeps_one_packed_in_projection():
+    """Casting query/key/value separately would break MHA's ``query is key`` check and split the
+    packed in-projection into three GEMMs; the GEMM count must equal torch.autocast's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountGemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    x = torch.randn(2, 5, 32)
+    counts = []
+    for ctx in (torch.autocast("cpu", torch.bfloat16), Autocast("cpu", torch.bfloat16)):
+        with ctx, CountGemms() as counter:
+            mha(x, x, x, need_weights=False)
+        counts.append(counter.n)
+    assert counts[0] == counts[1]
