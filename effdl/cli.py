@@ -41,6 +41,22 @@ def base_parser(description: str, default_out: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_text_corpus_args(p: argparse.ArgumentParser, cache: bool = True) -> None:
+    """``--data`` (WikiText-103 files or a parquet; default: the generated corpus) and, with
+    ``cache``, ``--cache`` (an .npz of token ids, written on first use and reused after)."""
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="wiki.train.raw/.tokens, their folder, or a parquet with a 'text' column; "
+        "default: the generated WikiText-103-like corpus",
+    )
+    if cache:
+        p.add_argument(
+            "--cache", default=None, help=".npz cache of the token ids (reused if present)"
+        )
+
+
 def device_from_arg(arg: str) -> torch.device:
     """Parse ``--device``; asking for CUDA on a machine without it is a usage error."""
     try:

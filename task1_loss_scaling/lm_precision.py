@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,6 +47,7 @@ from tqdm import tqdm
 from effdl.amp.precision import Precision, PrecisionSpec, build_precision
 from effdl.cli import (
     UsageError,
+    add_text_corpus_args,
     base_parser,
     device_from_arg,
     print_table,
@@ -86,8 +86,7 @@ CHECK_EVERY = 25  # steps between divergence checks (each is one host sync)
 
 def parse_args():
     p = base_parser(__doc__.splitlines()[0], default_out="runs/task1")
-    p.add_argument("--data", type=Path, default=None,
-                   help="wiki.train.raw/.tokens, its folder, or a parquet with a 'text' column")  # fmt: skip
+    add_text_corpus_args(p, cache=False)
     p.add_argument("--n-samples", type=int, default=None,
                    help="text lines used (30000; quick 2500)")  # fmt: skip
     p.add_argument("--setups", nargs="+", default=list(SETUPS), help=f"subset of {list(SETUPS)}")

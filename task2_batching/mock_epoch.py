@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from effdl.cli import (
     UsageError,
+    add_text_corpus_args,
     base_parser,
     device_from_arg,
     print_table,
@@ -41,13 +42,7 @@ PERCENTILES = list(range(0, 101, 5))
 
 def parse_args():
     p = base_parser(__doc__.splitlines()[0], default_out="runs/task2")
-    p.add_argument(
-        "--data",
-        default=None,
-        help="wiki.train.raw/.tokens, its folder, or a parquet "
-        "with a 'text' column; default: the generated WikiText-103-size corpus",
-    )
-    p.add_argument("--cache", default=None, help=".npz cache of the token ids (reused if present)")
+    add_text_corpus_args(p)
     p.add_argument("--batch-size", type=int, default=None, help="default 64 (16 with --quick)")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 5, 10, 20, 50, 640])
     p.add_argument("--pipelines", nargs="+", default=list(PIPELINES), choices=PIPELINES)

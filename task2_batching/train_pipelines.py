@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from effdl.cli import (
     UsageError,
+    add_text_corpus_args,
     base_parser,
     device_from_arg,
     print_table,
@@ -40,13 +41,7 @@ LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parse_args():
     p = base_parser(__doc__.splitlines()[0], default_out="runs/task2")
-    p.add_argument(
-        "--data",
-        default=None,
-        help="wiki.train.raw/.tokens, its folder, or a parquet with a 'text' column; "
-        "default: the generated WikiText-103-size corpus",
-    )
-    p.add_argument("--cache", default=None, help=".npz cache of the token ids (reused if present)")
+    add_text_corpus_args(p)
     p.add_argument("--pipelines", nargs="+", default=list(PIPELINES), choices=PIPELINES)
     p.add_argument("--ks", type=int, nargs="+", default=[5, 50], help="spans for 'ultra'")
     p.add_argument("--token-budget", type=int, default=None, help="default 5e6 (4e4 with --quick)")
