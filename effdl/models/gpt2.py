@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from effdl.profiling.timing import GIB
+
 GPT2_LARGE_PARAMS = 774_030_080
-GIB = 1024**3
 ACT_BYTES_PER_TOKEN_LAYER = 36  # x d, see module docstring
 CKPT_BYTES_PER_TOKEN_LAYER = 2  # x d
 
