@@ -31,10 +31,10 @@ lint: $(STAMP)
 demo: $(STAMP)
 	@rm -rf $(RUNS)/demo-failed
 	@for t in demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu; do \
-	  $(MAKE) --no-print-directory $$t || { mkdir -p $(RUNS); touch $(RUNS)/demo-failed; echo "!! $$t failed"; }; \
+	  $(MAKE) --no-print-directory $$t || { mkdir -p $(RUNS); touch $(RUNS)/demo-failed; echo "FAILED: $$t"; }; \
 	done
 	@$(MAKE) --no-print-directory reports
-	@test ! -e $(RUNS)/demo-failed || { echo "!! some demo tasks failed (see above)"; exit 1; }
+	@test ! -e $(RUNS)/demo-failed || { echo "FAILED: some demo tasks (see above)"; exit 1; }
 	@echo
 	@echo "demo done: run logs in $(RUNS)/<task>/, executed reports (ipynb + html) in $(RUNS)/reports/"
 
