@@ -41,6 +41,7 @@ demo: $(STAMP)
 demo-task1: $(STAMP)
 	@echo "== task1_loss_scaling: UNet segmentation under every precision/scaler mode (quick)"
 	$(PY) task1_loss_scaling/train_unet.py --quick --device cpu --out $(RUNS)/task1
+	$(PY) task1_loss_scaling/lm_precision.py --quick --device cpu --out $(RUNS)/task1
 demo-task2: $(STAMP)
 	@echo "== task2_batching: padded, bucketed and packed pipelines (quick)"
 	$(PY) task2_batching/mock_epoch.py --quick --device cpu --out $(RUNS)/task2
