@@ -47,6 +47,13 @@ def parse_args():
     p.add_argument("--ks", type=int, nargs="+", default=[1, 5, 10, 20, 50, 640])
     p.add_argument("--pipelines", nargs="+", default=list(PIPELINES), choices=PIPELINES)
     p.add_argument("--max-length", type=int, default=None, help="default 640 (128 with --quick)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="ULTRA only: size batches by a padded-token budget (rows x batch max <= N, no row "
+        "cap); --batch-size then sets only the dense yardstick (default: --batch-size rows)",
+    )
     p.add_argument("--overflow", choices=["truncate", "drop"], default="truncate")
     p.add_argument(
         "--dtype",
@@ -116,6 +123,8 @@ def main() -> None:
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if min(args.batch_size, args.max_length) < 1 or min(args.ks) < 0:
         raise UsageError("--batch-size and --max-length must be positive, --ks non-negative")
+    if args.max_tokens is not None and (args.max_tokens < 1 or "ultra" not in args.pipelines):
+        raise UsageError("--max-tokens must be positive and needs 'ultra' in --pipelines")
 
     t0 = time.perf_counter()
     try:
@@ -204,17 +213,22 @@ def main() -> None:
 
     variants = [(p, k) for p in args.pipelines for k in (args.ks if p == "ultra" else [None])]
     for name, k in tqdm(variants, desc="variants", unit="variant"):
+        # The token budget is an ULTRA option; it replaces that pipeline's row cap.
+        max_tokens = args.max_tokens if name == "ultra" else None
         variant = name if k is None else f"{name}_k{k}"
+        if max_tokens is not None:
+            variant += f"_mt{max_tokens}"
         loader = make_loader(
             name,
             corpus,
-            args.batch_size,
+            None if max_tokens is not None else args.batch_size,
             k=k or 0,
             max_length=args.max_length,
             pad_id=vocab.pad_id,
             seed=args.seed,
             num_workers=args.workers,
             pin_memory=device.type == "cuda",
+            max_tokens=max_tokens,
         )
         times, epoch_s, real, slots, widths, peak = run_epoch(
             model, loader, device, autocast, args.max_batches, args.warmup_batches
@@ -238,7 +252,7 @@ def main() -> None:
             "batch_s_percentiles": np.percentile(times, PERCENTILES).tolist(),
             "width_percentiles": np.percentile(widths, PERCENTILES).tolist(),
         }
-        log.log(variant, {**base_cfg, "pipeline": name, "k": k}, metrics)
+        log.log(variant, {**base_cfg, "pipeline": name, "k": k, "max_tokens": max_tokens}, metrics)
         rows.append(
             {
                 "variant": variant,

@@ -156,3 +156,98 @@ def test_make_loader_covers_every_token_once(pipeline, k):
         assert all(b.input_ids.shape[1] == int(b.lengths.max()) for b in batches)
     with pytest.raises(ValueError, match="pipeline"):
         make_loader("huge", corpus, 8)
+
+
+@given(
+    st.lists(st.integers(0, 60), min_size=1, max_size=300),
+    st.one_of(st.none(), st.integers(1, 17)),
+    st.integers(0, 25),
+    st.integers(1, 400),
+    st.integers(0, 3),
+)
+@settings(max_examples=200, deadline=None)
+def test_token_budget_invariants(lengths, batch_size, k, max_tokens, seed):
+    arr = np.array(lengths)
+    sampler = UltraDuperBigBrainBatchSampler(arr, batch_size, k, seed=seed, max_tokens=max_tokens)
+    epochs = [epoch(sampler) for _ in range(2)]
+    for batches in epochs:
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        for b in batches:
+            assert 1 <= len(b) <= (batch_size or len(lengths))
+            assert arr[b].max() - arr[b].min() <= k
+            # padded tokens within budget; only a lone over-long row may exceed it
+            assert len(b) * arr[b].max() <= max_tokens or len(b) == 1
+    if len(set(lengths)) > 1 and len(lengths) >= 20:
+        assert epochs[0] != epochs[1]
+
+
+def test_token_budget_reproducible_and_random_across_epochs():
+    lengths = np.random.default_rng(6).integers(1, 100, 2000)
+    s = UltraDuperBigBrainBatchSampler(lengths, None, 5, seed=3, max_tokens=1000)
+    e0, e1 = epoch(s), epoch(s)
+    assert e0 != e1
+    s.set_epoch(0)
+    assert epoch(s) == e0
+    firsts = [lengths[b[0]] for b in e0]
+    assert firsts != sorted(firsts) and firsts != sorted(firsts, reverse=True)
+
+
+def test_token_budget_fills_batches_exactly_with_equal_lengths():
+    # 100 rows of 10 tokens, budget 95: 9 rows (90 padded tokens) per batch, remainder last
+    s = UltraDuperBigBrainBatchSampler(np.full(100, 10), None, 0, max_tokens=95)
+    assert sorted(len(b) for b in epoch(s)) == [1] + [9] * 11
+    # both bounds: the row cap binds first
+    capped = UltraDuperBigBrainBatchSampler(np.full(100, 10), 4, 0, max_tokens=95)
+    assert sorted(len(b) for b in epoch(capped)) == [4] * 25
+
+
+def test_token_budget_gives_at_least_budget_over_longest_rows():
+    # k = 640: one window, longest row 640, so every batch but the tail holds >= 32768 // 640
+    lengths = np.random.default_rng(7).integers(1, 641, 5000)
+    lengths[0] = 640
+    batches = epoch(UltraDuperBigBrainBatchSampler(lengths, None, 640, max_tokens=32768))
+    sizes = [len(b) for b in batches]
+    assert sum(sizes) == 5000
+    assert min(sizes[:-1]) >= 32768 // 640  # only the epoch's last batch may run short
+    assert all(len(b) * lengths[b].max() <= 32768 for b in batches)
+
+
+def test_row_longer_than_budget_forms_its_own_batch():
+    lengths = np.array([100, 5, 5, 5, 5])
+    batches = epoch(UltraDuperBigBrainBatchSampler(lengths, None, 200, max_tokens=50))
+    assert [0] in batches
+    assert sorted(i for b in batches for i in b) == list(range(5))
+
+
+def test_token_budget_work_per_batch_is_rows_plus_one_rejection():
+    lengths = np.random.default_rng(8).integers(1, 641, 200_000)
+    sampler = UltraDuperBigBrainBatchSampler(lengths, None, 10, max_tokens=20_000)
+    rng = CountingRandom(0)
+    batches = sampler._batches(rng)
+    for _ in range(5):
+        before = rng.calls
+        b = next(batches)
+        # seed + window, two draws per row taken, at most one put-back row: nothing in n
+        assert 2 + 2 * len(b) <= rng.calls - before <= 4 + 2 * len(b)
+
+
+def test_token_budget_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="batch_size or max_tokens"):
+        UltraDuperBigBrainBatchSampler(np.array([1, 2]), None, 1)
+    with pytest.raises(ValueError, match="max_tokens >= 1"):
+        UltraDuperBigBrainBatchSampler(np.array([1, 2]), 4, 1, max_tokens=0)
+    with pytest.raises(ValueError, match="k >= 0"):
+        UltraDuperBigBrainBatchSampler(np.array([1, 2]), 4, -1)
+    corpus = TokenizedCorpus.from_sequences([[1, 2], [3]])
+    with pytest.raises(ValueError, match="only to pipeline 'ultra'"):
+        make_loader("bigbrain", corpus, 8, max_tokens=64)
+    with pytest.raises(ValueError, match="only to pipeline 'ultra'"):
+        make_loader("brain", corpus, None)
+
+
+def test_make_loader_ultra_token_budget_covers_every_token_once():
+    seqs = [list(range(1, n + 1)) for n in np.random.default_rng(9).integers(1, 12, 60)]
+    corpus = TokenizedCorpus.from_sequences(seqs)
+    batches = list(make_loader("ultra", corpus, None, k=2, max_length=12, max_tokens=40))
+    assert sum(b.n_real_tokens for b in batches) == sum(map(len, seqs))
+    assert all(b.input_ids.numel() <= 40 or b.input_ids.shape[0] == 1 for b in batches)
