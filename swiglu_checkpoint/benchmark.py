@@ -235,12 +235,12 @@ def measure(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, warmup: int, re
     return metrics
 
 
-def backend_of(variant: str, device: torch.device) -> str:
+def backend_of(variant: str, shape, dtype: torch.dtype, device: torch.device) -> str:
     """Which elementwise code a variant runs: aten (autograd's own kernels), triton or torch."""
     if variant not in LEVEL_VARIANTS:
         return "aten"
     with elementwise_backend(variant):
-        return elementwise_ops(device).name
+        return elementwise_ops(device, shape.tokens * shape.intermediate_size, dtype).name
 
 
 def run_variant(variant, shape, dtype, device, args) -> dict:
@@ -325,7 +325,7 @@ def main() -> None:
             for variant in variants:
                 flops_exec = shape.gemm_flops(variant)
                 flops_model = shape.gemm_flops("reference")
-                backend = backend_of(variant, device)
+                backend = backend_of(variant, shape, dtype, device)
                 ew_bytes = shape.elementwise_bytes(variant, backend, itemsize)
                 floor_s = flops_exec / (ceiling * 1e12) + ew_bytes / (bandwidth * 1e9)
                 metrics = run_variant(variant, shape, dtype, device, args)

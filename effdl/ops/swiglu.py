@@ -5,12 +5,19 @@
 ``(hidden, intermediate)`` and ``U`` of shape ``(intermediate, hidden)`` (the transposes of the
 ``nn.Linear`` weights of :class:`effdl.models.swiglu.SwigluMLP`). ``checkpoint_level`` trades
 memory for recomputation (:class:`CheckpointLevel`). The elementwise part (``silu(a) * b`` and
-its backward) runs as one fused Triton kernel on CUDA and as a short chain of in-place PyTorch
-ops elsewhere; :func:`elementwise_ops` is the one place that chooses.
+its backward) runs as one fused Triton kernel on CUDA for large tensors and as a short chain of
+in-place PyTorch ops elsewhere; :func:`elementwise_ops` is the one place that chooses.
+
+At small sizes a training step is bound by CPU dispatch, not by the GPU, so the per-call Python
+work is kept to the minimum: autocast is switched off only when it is on, the level and the
+backend are looked up once per forward (the backward reuses them), and validation compares
+attributes without building collections.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -54,10 +61,14 @@ class CheckpointLevel(IntEnum):
     def parse(cls, level: int) -> CheckpointLevel:
         """``level`` as a CheckpointLevel; anything else is a ValueError naming the choices."""
         try:
-            return cls(level)
-        except ValueError:
+            # a dict lookup: a third of the cost of calling the enum, on every forward
+            return _LEVEL_OF_VALUE[level]
+        except (KeyError, TypeError):
             choices = ", ".join(f"{m.value} ({m.name})" for m in cls)
             raise ValueError(f"checkpoint_level must be one of {choices}; got {level!r}") from None
+
+
+_LEVEL_OF_VALUE = {m.value: m for m in CheckpointLevel}
 
 
 # --------------------------------------------------------------------------- elementwise part
@@ -102,49 +113,145 @@ def _torch_gate_backward(
 
 TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 
+# Smallest (N x I) element count per dtype at which ``auto`` takes the fused Triton kernels on
+# CUDA. A Triton launch costs tens of microseconds of Python, more than the PyTorch launches it
+# replaces, so fusion pays only once the GPU, not the CPU, bounds the step. Level-0 step time,
+# Triton over PyTorch path, on one H100 (reports/results/swiglu/h100_benchmark.jsonl): bf16
+# 1.10-1.18x from 4.2 M to 16.8 M elements, 0.92-0.96x from 33.5 M up; fp32 GEMMs without TF32
+# run 15x slower, so fp32 steps turn GPU-bound earlier: 0.99x at 4.2 M, 0.94-1.00x above.
+# The kernels compute in fp32, so dtypes not listed (float64) stay on the PyTorch path.
+TRITON_MIN_ELEMENTS: dict[torch.dtype, int] = {
+    torch.bfloat16: 1 << 25,
+    torch.float16: 1 << 25,
+    torch.float32: 1 << 22,
+}
 
-def elementwise_ops(device: torch.device) -> ElementwiseOps:
-    """The elementwise backend for tensors on ``device``: the only place that chooses.
 
-    ``$EFFDL_SWIGLU_ELEMENTWISE`` = ``auto`` (default: Triton on CUDA when it imports, else
-    PyTorch), ``torch`` or ``triton`` (forced; fails if Triton is missing). Read at every call,
-    so a benchmark can compare the two paths in one process.
-    """
-    choice = os.environ.get(ELEMENTWISE_ENV, "auto")
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"${ELEMENTWISE_ENV} must be auto, torch or triton; got {choice!r}")
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
-        return TORCH_OPS
+@functools.cache
+def _triton_ops() -> ElementwiseOps | None:
+    """The fused Triton backend, or None where Triton does not import (tried once, then cached:
+    a failed import is not cached by Python and would search the path again on every call)."""
     try:
         from effdl.ops import swiglu_triton
     except ImportError:
-        if choice == "triton":
-            raise
-        return TORCH_OPS
+        return None
     return ElementwiseOps("triton", swiglu_triton.gate, swiglu_triton.gate_backward)
+
+
+def elementwise_ops(
+    device: torch.device, numel: int | None = None, dtype: torch.dtype | None = None
+) -> ElementwiseOps:
+    """The elementwise backend for ``numel`` elements of ``dtype`` on ``device``: the only place
+    that chooses.
+
+    ``$EFFDL_SWIGLU_ELEMENTWISE`` = ``auto`` (default), ``torch`` or ``triton`` (forced; an
+    ImportError if Triton is missing). ``auto`` takes Triton on CUDA when it imports and the
+    (N x I) tensors hold at least ``TRITON_MIN_ELEMENTS[dtype]`` elements, PyTorch otherwise;
+    ``numel`` or ``dtype`` left None drops that part of the test (the answer for large tensors
+    of a dtype Triton serves). The variable is read at every call, so a benchmark can compare
+    the two paths in one process.
+    """
+    choice = os.environ.get(ELEMENTWISE_ENV, "auto")
+    if choice == "auto":
+        if device.type != "cuda":
+            return TORCH_OPS
+        threshold = 0 if dtype is None else TRITON_MIN_ELEMENTS.get(dtype)
+        if threshold is None or (numel is not None and numel < threshold):
+            return TORCH_OPS
+        return _triton_ops() or TORCH_OPS
+    if choice == "torch":
+        return TORCH_OPS
+    if choice != "triton":
+        raise ValueError(f"${ELEMENTWISE_ENV} must be auto, torch or triton; got {choice!r}")
+    ops = _triton_ops()
+    if ops is None:
+        raise ImportError(f"${ELEMENTWISE_ENV}=triton, but triton does not import here")
+    return ops
 
 
 # --------------------------------------------------------------------------- autograd Function
 
 
 def _check_operands(x: torch.Tensor, W: torch.Tensor, V: torch.Tensor, U: torch.Tensor) -> None:
-    hidden, inter = W.shape if W.dim() == 2 else (-1, -1)
+    shape = W.shape
     if (
-        W.dim() != 2
-        or V.shape != W.shape
-        or U.shape != (inter, hidden)
+        len(shape) != 2
+        or V.shape != shape
+        or U.shape != (shape[1], shape[0])
         or x.dim() < 1
-        or x.shape[-1] != hidden
+        or x.shape[-1] != shape[0]
     ):
         raise ValueError(
             "expected x (..., hidden), W and V (hidden, intermediate), U (intermediate, hidden); "
             f"got x {tuple(x.shape)}, W {tuple(W.shape)}, V {tuple(V.shape)}, U {tuple(U.shape)}"
         )
-    if len({t.dtype for t in (x, W, V, U)}) != 1 or len({t.device for t in (x, W, V, U)}) != 1:
+    # dtypes are singletons, so `is` compares them; devices are compared pairwise, no set built
+    device = x.device
+    if not (x.dtype is W.dtype is V.dtype is U.dtype) or not (
+        W.device == device and V.device == device and U.device == device
+    ):
         raise ValueError(
             "x, W, V, U must share dtype and device; got "
             + ", ".join(f"{t.dtype} on {t.device}" for t in (x, W, V, U))
         )
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast off for ``device_type``: ``torch.autocast(enabled=False)`` where
+    autocast is on, else a no-op (entering ``torch.autocast`` costs microseconds per call)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (e.g. meta): nothing to switch off
+        enabled = False
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
+def _backward(ctx, dy: torch.Tensor):
+    """The gradients of :class:`MemoryOptimizedSwigluMLPFunction` (see its docstring)."""
+    x, W, V, U, a, b, g = ctx.saved_tensors
+    need_x, need_W, need_V, need_U = ctx.needs_input_grad[:4]
+    need_gate = need_x or need_W or need_V
+    recompute, ops = ctx.recompute, ctx.ops
+    dx = dW = dV = dU = None
+
+    # The engine runs backward under the autocast state of the .backward() call, not of the
+    # forward, so it is checked here again.
+    with _autocast_off(dy.device.type):
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
+        if recompute:
+            a = torch.mm(x2, W)
+            b = torch.mm(x2, V)
+        if need_gate:
+            dg = torch.mm(dy2, U.t())
+            da, db, g_new = ops.gate_backward(
+                a, b, dg, want_g=need_U and g is None, ab_scratch=recompute
+            )
+            g = g if g is not None else g_new
+            del dg, g_new
+        elif g is None:
+            g = ops.gate(a, b, inplace=recompute)
+        del a, b  # recomputed buffers are free from here on (saved ones live with ctx)
+        if need_U:
+            dU = torch.mm(g.t(), dy2)
+        del g
+        if need_gate:
+            xt = x2.t() if need_V or need_W else None
+            if need_V:
+                dV = torch.mm(xt, db)
+            if need_x:
+                dx = torch.mm(db, V.t())
+            del db
+            if need_W:
+                dW = torch.mm(xt, da)
+            if need_x:
+                dx.addmm_(da, W.t())  # dX = dA W^T + dB V^T without a separate add
+            del da
+
+    return (dx.view(ctx.x_shape) if dx is not None else None), dW, dV, dU, None
+
+
+_backward_once_differentiable = once_differentiable(_backward)
 
 
 class MemoryOptimizedSwigluMLPFunction(torch.autograd.Function):
@@ -208,10 +315,10 @@ class MemoryOptimizedSwigluMLPFunction(torch.autograd.Function):
         else:
             keep_ab = keep_g = False
         recompute = level is CheckpointLevel.RECOMPUTE_ALL
-        ops = elementwise_ops(x.device)
+        x2 = x.reshape(-1, x.shape[-1])
+        ops = elementwise_ops(x.device, x2.shape[0] * W.shape[1], x.dtype)
 
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1])
+        with _autocast_off(x.device.type):
             a = torch.mm(x2, W)
             b = torch.mm(x2, V)
             # When A is not kept, G overwrites it: one (N x I) buffer less at the forward peak.
@@ -227,52 +334,17 @@ class MemoryOptimizedSwigluMLPFunction(torch.autograd.Function):
             b if keep_ab else None,
             g if keep_g else None,
         )
-        ctx.level = level
-        ctx.x_shape = x.shape
+        ctx.recompute, ctx.ops, ctx.x_shape = recompute, ops, x.shape
         return y.view(*x.shape[:-1], U.shape[1])
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
-        x, W, V, U, a, b, g = ctx.saved_tensors
-        need_x, need_W, need_V, need_U = ctx.needs_input_grad[:4]
-        need_gate = need_x or need_W or need_V
-        recompute = ctx.level is CheckpointLevel.RECOMPUTE_ALL
-        ops = elementwise_ops(dy.device)
-        dx = dW = dV = dU = None
-
-        with torch.autocast(dy.device.type, enabled=False):
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
-            if recompute:
-                a = torch.mm(x2, W)
-                b = torch.mm(x2, V)
-            if need_gate:
-                dg = torch.mm(dy2, U.t())
-                da, db, g_new = ops.gate_backward(
-                    a, b, dg, want_g=need_U and g is None, ab_scratch=recompute
-                )
-                g = g if g is not None else g_new
-                del dg, g_new
-            elif g is None:
-                g = ops.gate(a, b, inplace=recompute)
-            del a, b  # recomputed buffers are free from here on (saved ones live with ctx)
-            if need_U:
-                dU = torch.mm(g.t(), dy2)
-            del g
-            if need_gate:
-                if need_V:
-                    dV = torch.mm(x2.t(), db)
-                if need_x:
-                    dx = torch.mm(db, V.t())
-                del db
-                if need_W:
-                    dW = torch.mm(x2.t(), da)
-                if need_x:
-                    dx.addmm_(da, W.t())  # dX = dA W^T + dB V^T without a separate add
-                del da
-
-        return (dx.view(ctx.x_shape) if dx is not None else None), dW, dV, dU, None
+        # With create_graph=True (grad mode on) once_differentiable makes a second
+        # differentiation fail loudly; in the usual case grad mode is already off and its
+        # no_grad wrapper would only cost time.
+        if torch.is_grad_enabled():
+            return _backward_once_differentiable(ctx, dy)
+        return _backward(ctx, dy)
 
 
 class MemoryOptimizedSwigluMLP(nn.Module):

@@ -12,10 +12,13 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from effdl.models.swiglu import Checkpointed, MLPStack, SwigluMLP
+from effdl.ops import swiglu
 from effdl.ops.swiglu import (
     ELEMENTWISE_ENV,
     TORCH_OPS,
+    TRITON_MIN_ELEMENTS,
     CheckpointLevel,
+    ElementwiseOps,
     MemoryOptimizedSwigluMLP,
     MemoryOptimizedSwigluMLPFunction,
     elementwise_ops,
@@ -204,6 +207,49 @@ def test_autocast_region_computes_in_input_dtype():
     assert x.grad.dtype == torch.float32 and opt.W.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_backward_inside_autocast_matches_float32_reference(level):
+    """Backward runs under the autocast state of the .backward() call; it must still compute in
+    fp32 (a bf16 GEMM would miss the fp32 tolerance by orders of magnitude)."""
+    ref, opt = make_pair(level)
+    x = make_x((3, 4, HIDDEN), torch.float32)
+    dy = make_x((3, 4, HIDDEN), torch.float32, seed=2)
+    y_ref, g_ref = grads_of(ref, x, dy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_opt, g_opt = grads_of(opt, x, dy)
+    assert_rel_close(y_opt, y_ref, REL_TOL[torch.float32], "output")
+    for name in g_ref:
+        assert_rel_close(g_opt[name], g_ref[name], REL_TOL[torch.float32], f"grad {name}")
+
+
+def test_autocast_context_entered_only_when_autocast_is_on(monkeypatch):
+    """Entering torch.autocast costs microseconds per call, so it is skipped when it is off."""
+    real_autocast, entered = torch.autocast, []
+
+    def counting_autocast(*args, **kwargs):
+        entered.append(kwargs.get("enabled"))
+        return real_autocast(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", counting_autocast)
+    _, opt = make_pair(CheckpointLevel.SAVE_ALL)
+    x = make_x((2, 3, HIDDEN), torch.float32).requires_grad_(True)
+    opt(x).sum().backward()
+    assert entered == []
+    with real_autocast("cpu", dtype=torch.bfloat16):
+        opt(x).sum().backward()
+    assert entered == [False, False]  # switched off once in forward, once in backward
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_meta_tensors_give_shapes(level):
+    """Autocast knows no meta device; the layer still runs there (shapes, no data)."""
+    opt = MemoryOptimizedSwigluMLP(HIDDEN, INTER, level, device="meta")
+    x = torch.empty(3, 5, HIDDEN, device="meta", requires_grad=True)
+    y = opt(x)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape and opt.U.grad.shape == opt.U.shape
+
+
 def test_zero_tokens():
     _, opt = make_pair(CheckpointLevel.RECOMPUTE_ALL)
     x = torch.zeros(0, 3, HIDDEN, requires_grad=True)
@@ -331,19 +377,130 @@ def test_bad_shapes_and_dtypes_are_rejected():
 def test_double_backward_is_refused():
     _, opt = make_pair(0)
     x = torch.randn(2, HIDDEN, requires_grad=True)
+    (gx_plain,) = torch.autograd.grad(opt(x).sum(), x)
     (gx,) = torch.autograd.grad(opt(x).sum(), x, create_graph=True)
+    assert torch.equal(gx.detach(), gx_plain)  # the first derivative is the same either way
     with pytest.raises(RuntimeError):
         gx.sum().backward()
+    # with an output gradient that itself requires grad (a Hessian-vector product), the
+    # refusal names the reason
+    y = opt(x)
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y).requires_grad_(True), create_graph=True)
+    assert torch.equal(gx.detach(), gx_plain)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("bad", [3, -1, "0", None, [0], 0.5])
+def test_parse_rejects_what_is_not_a_level(bad):
+    with pytest.raises(ValueError, match="checkpoint_level must be one of 0 \\(SAVE_ALL\\)"):
+        CheckpointLevel.parse(bad)
+
+
+def test_parse_accepts_ints_and_members():
+    for level in LEVELS:
+        assert CheckpointLevel.parse(int(level)) is level
+        assert CheckpointLevel.parse(level) is level
+
+
+def test_operands_on_different_devices_are_rejected():
+    _, opt = make_pair(0)
+    with pytest.raises(ValueError, match="share dtype and device"):
+        apply(torch.randn(2, HIDDEN, device="meta"), opt.W, opt.V, opt.U, 0)
+
+
+# --------------------------------------------------------------------------- backend choice
+
+CUDA = torch.device("cuda")  # a device object only: the chooser reads its type, needs no GPU
+FAKE_TRITON = ElementwiseOps("triton", TORCH_OPS.gate, TORCH_OPS.gate_backward)
+
+
+@pytest.fixture
+def triton_present(monkeypatch):
+    """``auto`` as on a CUDA machine where Triton imports (a stand-in, so no import here)."""
+    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
+    monkeypatch.setattr(swiglu, "_triton_ops", lambda: FAKE_TRITON)
 
 
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
     assert elementwise_ops(torch.device("cpu")) is TORCH_OPS
+    assert elementwise_ops(torch.device("cpu"), 1 << 30, torch.bfloat16) is TORCH_OPS
     monkeypatch.setenv(ELEMENTWISE_ENV, "torch")
     assert elementwise_ops(torch.device("cuda")) is TORCH_OPS
     monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
     with pytest.raises(ValueError, match=ELEMENTWISE_ENV):
         elementwise_ops(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", list(TRITON_MIN_ELEMENTS), ids=str)
+def test_auto_takes_triton_from_the_threshold_up(triton_present, dtype):
+    threshold = TRITON_MIN_ELEMENTS[dtype]
+    assert elementwise_ops(CUDA, threshold - 1, dtype) is TORCH_OPS
+    assert elementwise_ops(CUDA, threshold, dtype) is FAKE_TRITON
+    assert elementwise_ops(CUDA, 64 * threshold, dtype) is FAKE_TRITON
+    assert elementwise_ops(CUDA, None, dtype) is FAKE_TRITON  # size unknown: the large answer
+    assert elementwise_ops(torch.device("cpu"), threshold, dtype) is TORCH_OPS
+
+
+# (tokens, intermediate, dtype, faster level-0 path on one H100): every config of
+# reports/results/swiglu/h100_benchmark.jsonl whose two paths differ by more than 2%.
+H100_FASTER = [
+    (16 * 128, 2048, torch.bfloat16, "torch"),
+    (32 * 128, 2048, torch.bfloat16, "torch"),
+    (8 * 512, 4096, torch.bfloat16, "torch"),
+    (16 * 512, 4096, torch.bfloat16, "triton"),
+    (8 * 1024, 8192, torch.bfloat16, "triton"),
+    (4 * 1024, 16384, torch.bfloat16, "triton"),
+    (8 * 1024, 16384, torch.bfloat16, "triton"),
+    (32 * 128, 2048, torch.float32, "triton"),
+    (8 * 512, 4096, torch.float32, "triton"),
+    (16 * 512, 4096, torch.float32, "triton"),
+]
+
+
+@pytest.mark.parametrize(("tokens", "inter", "dtype", "faster"), H100_FASTER, ids=str)
+def test_auto_picks_the_path_measured_faster(triton_present, tokens, inter, dtype, faster):
+    assert elementwise_ops(CUDA, tokens * inter, dtype).name == faster
+
+
+def test_auto_keeps_float64_off_triton(triton_present):
+    """The kernels compute in fp32: float64 would silently lose precision there."""
+    assert elementwise_ops(CUDA, 1 << 30, torch.float64) is TORCH_OPS
+
+
+def test_forced_backend_ignores_size_and_dtype(triton_present, monkeypatch):
+    monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
+    assert elementwise_ops(CUDA, 1, torch.bfloat16) is FAKE_TRITON
+    assert elementwise_ops(CUDA, 1, torch.float64) is FAKE_TRITON
+    monkeypatch.setenv(ELEMENTWISE_ENV, "torch")
+    assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is TORCH_OPS
+
+
+def test_missing_triton(monkeypatch):
+    monkeypatch.setattr(swiglu, "_triton_ops", lambda: None)
+    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
+    assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is TORCH_OPS
+    monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
+    with pytest.raises(ImportError, match=f"{ELEMENTWISE_ENV}=triton"):
+        elementwise_ops(CUDA, 1 << 30, torch.bfloat16)
+
+
+def test_backend_chosen_once_per_forward_with_the_element_count(monkeypatch):
+    """The forward passes N x I and the dtype; the backward reuses the forward's choice."""
+    calls = []
+
+    def recording(device, numel=None, dtype=None):
+        calls.append((device.type, numel, dtype))
+        return TORCH_OPS
+
+    monkeypatch.setattr(swiglu, "elementwise_ops", recording)
+    for level in LEVELS:
+        calls.clear()
+        _, opt = make_pair(level)
+        x = make_x((3, 4, HIDDEN), torch.float32).requires_grad_(True)
+        opt(x).sum().backward()
+        assert calls == [("cpu", 3 * 4 * INTER, torch.float32)], level
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -430,6 +587,16 @@ def test_cuda_triton_kernels_match_torch_path():
             for g, e in zip(got, exp, strict=True):
                 assert_rel_close(g, e, tol, f"backward {dtype} scratch={scratch}")
         assert_rel_close(T.gate(a.clone(), b, inplace=True), exp[2], tol, f"gate {dtype}")
+
+
+@pytest.mark.gpu
+def test_cuda_auto_backend_by_size(monkeypatch):
+    """The real chooser on CUDA (Triton imported): PyTorch below the threshold, Triton from it."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
+    for dtype, threshold in TRITON_MIN_ELEMENTS.items():
+        assert elementwise_ops(CUDA, threshold - 1, dtype).name == "torch", dtype
+        assert elementwise_ops(CUDA, threshold, dtype).name == "triton", dtype
 
 
 def _cuda_step_peak(stack: torch.nn.Module, x: torch.Tensor) -> int:
