@@ -116,11 +116,24 @@ class PackedBatch:
         )
 
 
-def collate_packed(rows: Sequence[dict[str, torch.Tensor]]) -> PackedBatch:
-    """Stack rows from :func:`pack_row` (all of one length) into a :class:`PackedBatch`."""
+def collate_packed(
+    rows: Sequence[dict[str, torch.Tensor]],
+    n_rows: int | None = None,
+    pad_id: int | None = None,
+) -> PackedBatch:
+    """Stack rows from :func:`pack_row` (all of one length) into a :class:`PackedBatch`.
+
+    With ``n_rows`` (and ``pad_id``), a short batch is topped up with all-padding rows, so
+    every batch has the same shape: compiled kernels (FlexAttention) would otherwise compile
+    again for a final partial batch.
+    """
     if not rows:
         raise ValueError("collate_packed needs at least one row")
     seq_len = rows[0]["input_ids"].shape[0]
+    if n_rows is not None and len(rows) < n_rows:
+        if pad_id is None:
+            raise ValueError("collate_packed: topping up to n_rows needs pad_id")
+        rows = [*rows, *[pack_row([], seq_len, pad_id)] * (n_rows - len(rows))]
     cus = [r["cu_seqlens"] for r in rows]
     global_cu = torch.cat([cus[0]] + [c[1:] + i * seq_len for i, c in enumerate(cus) if i > 0])
     doc_ids = torch.stack([r["doc_ids"] for r in rows])
@@ -572,9 +585,13 @@ class BinDataset(Dataset):
         return [np.asarray(self.docs[i])[a:z] for i, a, z in self.packing.bin_slices(b)]
 
 
-def collate_bins(batch: Sequence[Sequence[np.ndarray]], seq_len: int, pad_id: int) -> PackedBatch:
-    """Collate bins (each a list of token arrays, total <= ``seq_len``) into a PackedBatch."""
-    return collate_packed([pack_row(segments, seq_len, pad_id) for segments in batch])
+def collate_bins(
+    batch: Sequence[Sequence[np.ndarray]], seq_len: int, pad_id: int, n_rows: int | None = None
+) -> PackedBatch:
+    """Collate bins (each a list of token arrays, total <= ``seq_len``) into a PackedBatch
+    (topped up to ``n_rows`` rows as in :func:`collate_packed`)."""
+    rows = [pack_row(segments, seq_len, pad_id) for segments in batch]
+    return collate_packed(rows, n_rows, pad_id)
 
 
 def packed_loader(
@@ -588,8 +605,12 @@ def packed_loader(
     seed: int = 0,
     num_workers: int = 0,
     pin_memory: bool = False,
+    static_shape: bool = True,
 ) -> DataLoader:
     """A DataLoader of :class:`PackedBatch` (``batch_size`` rows of ``seq_len`` tokens).
+
+    ``static_shape``: top up short batches (the last one; with workers, each worker's last)
+    with all-padding rows, so every batch is ``(batch_size, seq_len)``.
 
     ``"concat"``: :class:`SequencedDataset` (split policy: documents may be cut at row ends).
     ``"ffd"``/``"bfd"``: bins from First-/Best-Fit Decreasing over ``docs``' lengths (taken from
@@ -597,12 +618,13 @@ def packed_loader(
     (split into pieces); the packing is at ``loader.dataset.packing``. Shuffling permutes rows
     (bins) or, for ``"concat"``, documents.
     """
+    n_rows = batch_size if static_shape else None
     if method == "concat":
         ds = SequencedDataset(docs, seq_len, pad_id=pad_id, shuffle=shuffle, seed=seed)
         return DataLoader(
             ds,
             batch_size=batch_size,
-            collate_fn=collate_packed,
+            collate_fn=functools.partial(collate_packed, n_rows=n_rows, pad_id=pad_id),
             num_workers=num_workers,
             pin_memory=pin_memory,
         )
@@ -619,7 +641,7 @@ def packed_loader(
         batch_size=batch_size,
         shuffle=shuffle,
         generator=generator,
-        collate_fn=functools.partial(collate_bins, seq_len=seq_len, pad_id=pad_id),
+        collate_fn=functools.partial(collate_bins, seq_len=seq_len, pad_id=pad_id, n_rows=n_rows),
         num_workers=num_workers,
         pin_memory=pin_memory,
     )

@@ -10,15 +10,24 @@ decoder-only LM does not have. We pass one all-zero memory vector per sequence: 
 single key has weight 1, so cross-attention reduces to a learned constant (``W_o b_v + b_o``)
 and costs two d x d projections per token and no T^2 term. (Passing the input itself as memory
 would double the attention cost and, without a causal memory mask, leak future tokens.)
+
+Packed rows (``doc_ids``) run through FlexAttention on CUDA: every layer's ``self_attn`` is a
+:class:`~effdl.ops.document_attention.DocumentMultiheadAttention`, an ``nn.MultiheadAttention``
+with the same parameters that also takes a document mask, built once per batch. Unpacked
+batches take PyTorch's own attention path exactly as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from effdl.ops.document_attention import DocumentMultiheadAttention, document_mask, select_backend
 
 
 class PositionalEncoding(nn.Module):
@@ -66,12 +75,24 @@ class GPTLikeConfig:
     dropout: float = 0.1
     max_length: int = 640
     norm_first: bool = False  # PyTorch's default post-norm; pre-norm adds a final LayerNorm
+    # Packed rows: "auto" = FlexAttention on CUDA (dense while training with dropout > 0),
+    # dense elsewhere; "flex" / "dense" force one (see effdl.ops.document_attention).
+    doc_attention: str = "auto"
+    # cuDNN's fused attention builds an execution plan for every new (batch, length) shape:
+    # ~60 ms per new shape on an H100 against ~5 ms for the forward itself (measured,
+    # reports/results/task2/), so with variable-shape batches it is left out by default.
+    # It is ~10% faster than flash/efficient attention once planned: worth it for fixed shapes.
+    cudnn_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if min(self.vocab_size, self.n_layers, self.d_ff, self.max_length) < 1:
             raise ValueError("vocab_size, n_layers, d_ff and max_length must be positive")
+        if self.doc_attention not in ("auto", "flex", "dense"):
+            raise ValueError(
+                f"doc_attention must be 'auto', 'flex' or 'dense', got {self.doc_attention!r}"
+            )
 
 
 class GPTLikeModel(nn.Module):
@@ -96,6 +117,8 @@ class GPTLikeModel(nn.Module):
             batch_first=True,
             norm_first=cfg.norm_first,
         )
+        # Same parameters and keys; the layers are deep copies of this one, as before.
+        layer.self_attn = DocumentMultiheadAttention.like(layer.self_attn)
         self.decoder = nn.TransformerDecoder(layer, cfg.n_layers)
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -110,27 +133,45 @@ class GPTLikeModel(nn.Module):
         """Hidden states (B, T, d_model) before the LM head (what seed 000's mock times).
 
         ``doc_ids`` (B, T) int, for packed rows: a token attends only to earlier tokens of its
-        own document (dense block-diagonal causal mask, see
-        :func:`effdl.ops.document_attention.mha_attn_mask`); pass ``position_ids`` restarting
-        per document with it, and no ``padding_mask`` (padding is a document of its own).
+        own document; pass ``position_ids`` restarting per document with it, and no
+        ``padding_mask`` (padding is a document of its own). The document mask is built once
+        per batch (backend: :meth:`doc_attention_backend`) and shared by all layers.
         """
         t = input_ids.shape[1]
         x = self.pos(self.embed(input_ids), position_ids)
         if doc_ids is None:
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu_(1)
         else:
-            from effdl.ops.document_attention import mha_attn_mask
-
-            mask = mha_attn_mask(doc_ids, self.cfg.n_heads)
+            if padding_mask is not None:
+                raise ValueError("pass either padding_mask or doc_ids (padding has doc id -1)")
+            mask = document_mask(doc_ids, self.doc_attention_backend(doc_ids.device))
         memory = x.new_zeros(x.shape[0], 1, x.shape[2])
-        h = self.decoder(
-            x,
-            memory,
-            tgt_mask=mask,
-            tgt_key_padding_mask=padding_mask,
-            tgt_is_causal=doc_ids is None,
-        )
+        # An explicit tgt_is_causal keeps nn.TransformerDecoder from inspecting the mask (it
+        # would compare a tensor mask with a causal one); a DocumentMask then reaches each
+        # layer's self_attn untouched.
+        with self._attention_backends():
+            h = self.decoder(
+                x,
+                memory,
+                tgt_mask=mask,
+                tgt_key_padding_mask=padding_mask,
+                tgt_is_causal=doc_ids is None,
+            )
         return self.final_norm(h)
+
+    def _attention_backends(self) -> contextlib.AbstractContextManager:
+        """The scaled-dot-product-attention kernels this model may use (see ``cudnn_attention``)."""
+        if self.cfg.cudnn_attention:
+            return contextlib.nullcontext()
+        return sdpa_kernel(
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        )
+
+    def doc_attention_backend(self, device: torch.device) -> str:
+        """The document-attention backend packed rows use now (``cfg.doc_attention``, the
+        device, and attention dropout in training: FlexAttention has none)."""
+        dropout = self.cfg.dropout if self.training else 0.0
+        return select_backend(device, self.cfg.doc_attention, dropout)
 
     def forward(
         self,
@@ -147,8 +188,14 @@ def matmul_flops_per_token(cfg: GPTLikeConfig, seq_len: int, lm_head: bool = Tru
 
     Per layer: self-attention projections 8 d^2, cross-attention query/output 4 d^2 (its
     key/value projections act on one memory vector per sequence: negligible), feed-forward
-    4 d d_ff, attention scores and weighted sum 4 T d (dense kernels compute the full T x T,
-    causal or not). Plus 2 d V for the LM head. Multiply by 3 for forward + backward.
+    4 d d_ff, attention scores and weighted sum 4 T d. Plus 2 d V for the LM head. Multiply
+    by 3 for forward + backward.
+
+    The attention term is the dense convention: every query against all T keys, as a dense
+    kernel computes it, causal or not. Packed rows under FlexAttention do only the 128 x 128
+    blocks that touch their own document (about 4 d x the mean document length, rounded up to
+    blocks), so for them this count overstates the work done and the derived TFLOP/s is an
+    upper bound; it stays exact for the projections and feed-forward, which dominate here.
     """
     d = cfg.d_model
     per_layer = 12 * d * d + 4 * d * cfg.d_ff + 4 * seq_len * d

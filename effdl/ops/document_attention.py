@@ -4,14 +4,18 @@ A packed row holds several documents; token i may attend token j only when both 
 same document and j <= i (a block-diagonal causal mask built from per-token ``doc_ids``, see
 :mod:`effdl.data.packing`). Two implementations of that one rule:
 
-* ``"flex"``: PyTorch FlexAttention with a document-causal ``mask_mod``; ``create_block_mask``
-  skips the blocks outside every document, so cost follows the real (block-sparse) work.
+* ``"flex"``: PyTorch FlexAttention with a document-causal ``mask_mod`` and a ``BlockMask``
+  that lists, per (row, query block, key block), the blocks to skip, to compute with the mask
+  and to compute without it, so the cost follows the in-document (block-sparse) work.
+  :func:`document_block_mask` builds it from ``doc_ids`` with a handful of tensor ops.
   Compiled on CUDA; on CPU it runs eagerly, unfused and forward-only (for tests).
 * ``"dense"``: ``scaled_dot_product_attention`` with a boolean (B, 1, L, L) mask. Correct
-  everywhere, but it materialises the mask and does the full L x L work.
+  everywhere (and the only path with attention dropout), but it materialises the mask and
+  does the full L x L work.
 
 :func:`select_backend` is the one place that picks; the choice is logged once per device type.
-Build a :class:`DocumentMask` once per batch and reuse it in every layer.
+Build a :class:`DocumentMask` once per batch and reuse it in every layer;
+:class:`DocumentMultiheadAttention` runs it inside ``nn.TransformerDecoderLayer``.
 """
 
 from __future__ import annotations
@@ -43,31 +47,43 @@ def flex_available() -> bool:
 
 
 @functools.cache
-def _announce(backend: Backend, device_type: str) -> None:
-    """Log the chosen path once per (backend, device type); ``_announce.cache_clear()`` resets."""
+def _announce(backend: Backend, device_type: str, why: str = "") -> None:
+    """Log the chosen path once per (backend, device type, reason); ``cache_clear()`` resets."""
     how = (
         "FlexAttention (block-sparse document mask)"
         if backend == "flex"
-        else ("dense mask + scaled_dot_product_attention (O(L^2) mask per batch)")
+        else "dense mask + scaled_dot_product_attention (O(L^2) mask per batch)"
     )
-    logger.info("document attention on %s: %s", device_type, how)
+    logger.info("document attention on %s: %s%s", device_type, how, f" ({why})" if why else "")
 
 
-def select_backend(device: torch.device | str, requested: str = "auto") -> Backend:
+def select_backend(
+    device: torch.device | str, requested: str = "auto", dropout: float = 0.0
+) -> Backend:
     """``"auto"``: FlexAttention on CUDA when available, else the dense fallback.
 
     ``"flex"`` or ``"dense"`` force a path (``"flex"`` raises if this torch lacks it).
+    ``dropout`` is the attention-weight dropout the caller will apply (0 in eval): FlexAttention
+    has none, so ``"auto"`` then takes the dense path and ``"flex"`` raises ``ValueError``.
     """
     device = torch.device(device)
     if requested not in ("auto", "flex", "dense"):
         raise ValueError(f"backend must be 'auto', 'flex' or 'dense', got {requested!r}")
     if requested == "flex" and not flex_available():
         raise RuntimeError(f"FlexAttention is not available in torch {torch.__version__}")
-    if requested == "auto":
-        backend: Backend = "flex" if device.type == "cuda" and flex_available() else "dense"
+    if requested == "flex" and dropout > 0:
+        raise ValueError(
+            f"FlexAttention has no attention dropout (got dropout={dropout}): use backend "
+            "'dense' or 'auto', set the dropout to 0, or call .eval()"
+        )
+    why = ""
+    if requested != "auto":
+        backend: Backend = requested  # type: ignore[assignment]
+    elif device.type == "cuda" and flex_available() and dropout > 0:
+        backend, why = "dense", f"attention dropout {dropout} in training: FlexAttention has none"
     else:
-        backend = requested  # type: ignore[assignment]
-    _announce(backend, device.type)
+        backend = "flex" if device.type == "cuda" and flex_available() else "dense"
+    _announce(backend, device.type, why)
     return backend
 
 
@@ -85,29 +101,101 @@ class DocumentMask:
     dense: torch.Tensor | None = None
 
 
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool (..., rows, cols) -> (count per row, column indices of the set entries first).
+
+    The layout ``create_block_mask`` produces: a stable descending sort puts the set columns
+    first, in ascending order, followed by the unset ones.
+    """
+    as_int = blocks.to(torch.int32)
+    count = as_int.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
+    return count, indices
+
+
+def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128) -> Any:
+    """FlexAttention ``BlockMask`` of the document-causal rule for ``doc_ids`` ``(B, L)``.
+
+    Equal to ``create_block_mask(mask_mod, B, None, L, L, BLOCK_SIZE=block_size)`` (same
+    partial and full block lists) without evaluating ``mask_mod`` on all B x L x L pairs: for a
+    key block strictly left of the query block every pair is causal, so the block is needed iff
+    the two blocks share a document and needs no mask iff both lie inside one and the same
+    document; the diagonal block is always needed and (for ``block_size > 1``) never full.
+    Shared documents come from one batched matmul of per-block document indicators, O(B * L *
+    (L / block_size)^2) work and O(B * L^2 / block_size) memory; no host-device sync.
+    ``L`` need not be a multiple of ``block_size`` (the last block is partial, never full).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, seq_len = doc_ids.shape
+    device = doc_ids.device
+    n_blocks = -(-seq_len // block_size)
+    # Any id -> the position of its first occurrence in the sorted row: an index in [0, L).
+    compact = torch.searchsorted(doc_ids.sort(dim=1).values, doc_ids)
+    block_of = torch.arange(seq_len, device=device) // block_size
+    present = torch.zeros(batch, n_blocks * seq_len, device=device)
+    present.scatter_(1, block_of * seq_len + compact, 1.0)
+    present = present.view(batch, n_blocks, seq_len)
+    shares_doc = torch.bmm(present, present.mT) > 0  # (B, q block, kv block)
+
+    blocks = torch.arange(n_blocks, device=device)
+    left = blocks[:, None] > blocks[None, :]
+    diagonal = blocks[:, None] == blocks[None, :]
+    needed = (shares_doc & left) | diagonal
+
+    # One document per block: extend the tail with its last id so it adds no id; a block that
+    # reaches past L is excluded anyway (create_block_mask counts the overhang as masked).
+    tail = n_blocks * block_size - seq_len
+    padded = torch.cat([doc_ids, doc_ids[:, -1:].expand(batch, tail)], dim=1)
+    lo = padded.view(batch, n_blocks, block_size).amin(-1)
+    hi = padded.view(batch, n_blocks, block_size).amax(-1)
+    single = (lo == hi) & ((blocks + 1) * block_size <= seq_len)
+    causal_full = left | diagonal if block_size == 1 else left
+    full = (
+        causal_full & single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+    )
+    partial = (needed & ~full)[:, None]  # head dimension of 1: the mask is the same per head
+    full = full[:, None]
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    kv_num, kv_idx = _ordered(partial)
+    full_kv_num, full_kv_idx = _ordered(full)
+    # The query-major lists (for the backward pass) are the transposes we already hold;
+    # BlockMask.from_kv_blocks would rebuild them from the ordered lists through vmap.
+    q_num, q_idx = _ordered(partial.mT)
+    full_q_num, full_q_idx = _ordered(full.mT)
+    return BlockMask(
+        seq_lengths=(seq_len, seq_len),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=document_causal,
+    )
+
+
 def document_mask(
     doc_ids: torch.Tensor, backend: str = "auto", block_size: int = 128
 ) -> DocumentMask:
     """Build the mask for ``doc_ids`` (``(B, L)`` ints, equal ids = same document).
 
     Padding should carry its own id (``-1`` in :mod:`effdl.data.packing`): it then attends only
-    to padding, and no query row is empty (an empty row would give NaN).
+    to padding, and no query row is empty (an empty row would give NaN). ``backend`` as in
+    :func:`select_backend`; ``block_size`` is FlexAttention's sparsity block.
     """
     if doc_ids.ndim != 2:
         raise ValueError(f"doc_ids must be (batch, seq_len), got shape {tuple(doc_ids.shape)}")
     chosen = select_backend(doc_ids.device, backend)
     if chosen == "dense":
         return DocumentMask("dense", doc_ids, dense=document_causal_mask(doc_ids).unsqueeze(1))
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
-
-    batch, seq_len = doc_ids.shape
-    block_mask = create_block_mask(
-        document_causal, batch, None, seq_len, seq_len, device=doc_ids.device, BLOCK_SIZE=block_size
-    )
-    return DocumentMask("flex", doc_ids, block_mask=block_mask)
+    return DocumentMask("flex", doc_ids, block_mask=document_block_mask(doc_ids, block_size))
 
 
 @functools.cache
@@ -115,7 +203,8 @@ def _compiled_flex() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     # Without compile FlexAttention materialises the full score matrix; compiled it is a
-    # fused kernel that skips masked blocks.
+    # fused kernel that skips masked blocks. A new mask_mod closure per batch does not
+    # recompile: dynamo guards on its code and lifts the captured doc_ids as an input.
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -133,45 +222,108 @@ def document_attention(
     v: torch.Tensor,
     mask: DocumentMask,
     scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Document-causal attention of ``q, k, v`` ``(B, H, L, D)`` -> ``(B, H, L, D)``.
 
     Output row i equals plain causal attention over the tokens of i's document alone.
+    ``dropout_p`` drops attention weights (dense backend only; ``ValueError`` on flex).
     """
     if mask.backend == "dense":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.dense, dropout_p=dropout_p, scale=scale
+        )
+    if dropout_p > 0:
+        raise ValueError(
+            f"FlexAttention has no attention dropout (dropout_p={dropout_p}): build the mask "
+            "with backend 'dense', or run without dropout"
+        )
     if q.is_cuda:
         return _compiled_flex()(q, k, v, block_mask=mask.block_mask, scale=scale)
     return _eager_flex(q, k, v, mask.block_mask, scale)
 
 
-def mha_attn_mask(doc_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Mask for ``nn.MultiheadAttention`` / ``nn.TransformerDecoderLayer(tgt_mask=...)``.
+class DocumentMultiheadAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` that also accepts a :class:`DocumentMask` as ``attn_mask``.
 
-    Returns bool ``(B * num_heads, L, L)`` where True means *blocked* (the MHA convention, the
-    opposite of SDPA's). A dense path: use it where the model is built from ``nn.Transformer*``.
-    """
-    blocked = ~document_causal_mask(doc_ids)
-    return blocked.repeat_interleave(num_heads, dim=0)
-
-
-class DocumentSelfAttention(nn.Module):
-    """Multi-head causal self-attention over packed rows: qkv projection, document attention, out.
-
-    ``forward(x, mask)`` with ``x`` ``(B, L, d_model)`` and a :class:`DocumentMask` built once per
-    batch by :func:`document_mask`.
+    Same parameters and state_dict keys (``in_proj_weight``, ``in_proj_bias``, ``out_proj``)
+    so it can replace ``self_attn`` in ``nn.TransformerDecoderLayer`` (see :meth:`like`).
+    Any other ``attn_mask`` goes to ``nn.MultiheadAttention.forward`` unchanged. With a
+    :class:`DocumentMask` it computes batch-first self-attention only (``query is key is
+    value``, no ``key_padding_mask``: padding is a document of its own, no attention
+    weights returned); attention dropout applies in training on the dense backend, and the
+    flex backend raises ``ValueError`` if training with dropout > 0.
     """
 
-    def __init__(self, d_model: int, n_heads: int, bias: bool = True) -> None:
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.out = nn.Linear(d_model, d_model, bias=bias)
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        batch_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            embed_dim, num_heads, dropout, bias, batch_first=batch_first, device=device, dtype=dtype
+        )
 
-    def forward(self, x: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = document_attention(q, k, v, mask)
-        return self.out(y.transpose(1, 2).reshape(b, n, d))
+    @classmethod
+    def like(cls, mha: nn.MultiheadAttention) -> DocumentMultiheadAttention:
+        """A copy of ``mha`` (plain q/k/v of one width, no bias_k/v) sharing its parameters.
+
+        Built on the meta device, so no random initialisation runs and seeded models keep the
+        parameter values they had with the plain module.
+        """
+        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("only plain self-attention MHA (same q/k/v width, no bias_k/v)")
+        new = cls(
+            mha.embed_dim,
+            mha.num_heads,
+            mha.dropout,
+            bias=mha.in_proj_bias is not None,
+            batch_first=mha.batch_first,
+            device="meta",
+        )
+        new.load_state_dict(mha.state_dict(keep_vars=True), assign=True)
+        return new
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | DocumentMask | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not isinstance(attn_mask, DocumentMask):
+            return super().forward(
+                query,
+                key,
+                value,
+                key_padding_mask=key_padding_mask,
+                need_weights=need_weights,
+                attn_mask=attn_mask,
+                average_attn_weights=average_attn_weights,
+                is_causal=is_causal,
+            )
+        if key is not query or value is not query or not self.batch_first:
+            raise ValueError(
+                "a DocumentMask needs batch-first self-attention (query is key is value)"
+            )
+        if key_padding_mask is not None or need_weights:
+            raise ValueError(
+                "a DocumentMask takes no key_padding_mask (padding is its own document) and "
+                "returns no attention weights (need_weights=False)"
+            )
+        b, n, d = query.shape
+        qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
+        q, k, v = qkv.view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        dropout_p = self.dropout if self.training else 0.0
+        y = document_attention(q, k, v, attn_mask, dropout_p=dropout_p)
+        y = y.transpose(1, 2).reshape(b, n, d)
+        return F.linear(y, self.out_proj.weight, self.out_proj.bias), None

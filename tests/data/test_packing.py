@@ -364,12 +364,27 @@ def test_packed_loader_delivers_every_token_once(method):
     tokens = np.concatenate([b.input_ids[b.doc_ids >= 0].numpy() for b in batches])
     np.testing.assert_array_equal(np.sort(tokens), np.sort(np.concatenate(docs)))
     assert sum(b.n_real_tokens for b in batches) == sum(lengths)
+    assert all(b.input_ids.shape == (2, 16) for b in batches)  # static shape: last one topped up
     if method != "concat":
         packing = loader.dataset.packing
-        assert packing.stats.n_bins == sum(b.input_ids.shape[0] for b in batches)
+        used_rows = sum(int((b.doc_ids >= 0).any(dim=1).sum()) for b in batches)
+        assert packing.stats.n_bins == used_rows
+        unpadded = packed_loader(docs, 16, 2, pad_id=0, method=method, static_shape=False)
+        assert packing.stats.n_bins == sum(b.input_ids.shape[0] for b in unpadded)
         np.testing.assert_array_equal(packing.dropped, [1])
     with pytest.raises(ValueError, match="method must be"):
         packed_loader(docs, 16, 2, pad_id=0, method="wfd")
+
+
+def test_collate_tops_up_a_short_batch_with_padding_rows():
+    rows = [pack_row([np.arange(1, 4)], 6, pad_id=0)]
+    batch = collate_packed(rows, n_rows=3, pad_id=0)
+    assert batch.input_ids.shape == (3, 6)
+    assert (batch.doc_ids[1:] == PAD_DOC_ID).all() and (batch.labels[1:] == IGNORE_INDEX).all()
+    assert batch.n_real_tokens == 3 and batch.n_label_tokens == 2
+    assert batch.cu_seqlens.tolist() == [0, 3, 6, 12, 18]
+    with pytest.raises(ValueError, match="needs pad_id"):
+        collate_packed(rows, n_rows=3)
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,8 +1,14 @@
+import io
 import math
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
 
+from effdl.data.packing import collate_packed, document_causal_mask, pack_row
+from effdl.models import gpt_like
 from effdl.models.gpt_like import (
     GPTLikeConfig,
     GPTLikeModel,
@@ -10,8 +16,14 @@ from effdl.models.gpt_like import (
     matmul_flops_per_token,
 )
 from effdl.models.lm_objective import LMCrossEntropyLoss
+from effdl.ops.document_attention import DocumentMultiheadAttention, flex_available
 
 TINY = GPTLikeConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_length=16)
+# Rows of 150 tokens: two FlexAttention blocks of 128, the second one partial.
+PACKED = replace(TINY, max_length=160, dropout=0.0)
+PACKED_LAYOUTS = [[40, 70, 30], [150], [1, 127, 5, 9], [100]]  # the rest of a row is padding
+
+needs_flex = pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
 
 
 def test_positional_encoding_matches_formula():
@@ -141,3 +153,229 @@ def test_cuda_bf16_forward_backward_and_padding_invariance():
         batch = model(ids, mask)
         alone = model(ids[1:2, :60])
     torch.testing.assert_close(batch[1, :60], alone[0], atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# FlexAttention for packed rows: the model before it (plain nn modules) is the reference.
+
+
+def legacy_model(cfg):
+    """The model as built before FlexAttention: same construction order, plain nn modules."""
+    embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    layer = nn.TransformerDecoderLayer(
+        cfg.d_model,
+        cfg.n_heads,
+        dim_feedforward=cfg.d_ff,
+        dropout=cfg.dropout,
+        batch_first=True,
+        norm_first=cfg.norm_first,
+    )
+    return nn.ModuleDict(
+        {
+            "embed": embed,
+            "decoder": nn.TransformerDecoder(layer, cfg.n_layers),
+            "final_norm": nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity(),
+            "lm_head": nn.Linear(cfg.d_model, cfg.vocab_size, bias=False),
+        }
+    )
+
+
+def legacy_logits(m, cfg, input_ids, padding_mask=None, position_ids=None, doc_ids=None):
+    """The forward before FlexAttention: causal bool mask, or the dense (B * heads, T, T) one."""
+    pos = PositionalEncoding(cfg.d_model, cfg.max_length, cfg.dropout).train(m.training)
+    x = pos(m["embed"](input_ids), position_ids)
+    t = input_ids.shape[1]
+    if doc_ids is None:
+        mask = torch.ones(t, t, dtype=torch.bool).triu_(1)
+    else:
+        mask = (~document_causal_mask(doc_ids)).repeat_interleave(cfg.n_heads, dim=0)
+    memory = x.new_zeros(x.shape[0], 1, x.shape[2])
+    h = m["decoder"](
+        x, memory, tgt_mask=mask, tgt_key_padding_mask=padding_mask, tgt_is_causal=doc_ids is None
+    )
+    return m["lm_head"](m["final_norm"](h))
+
+
+def packed_batch(layouts=PACKED_LAYOUTS, seq_len=150, vocab=50, seed=0):
+    rng = np.random.default_rng(seed)
+    docs = [[rng.integers(1, vocab, n) for n in lens] for lens in layouts]
+    return collate_packed([pack_row(row, seq_len, 0) for row in docs])
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_init_and_state_dict_keys_unchanged(norm_first):
+    cfg = replace(TINY, norm_first=norm_first)
+    torch.manual_seed(0)
+    old = legacy_model(cfg)
+    torch.manual_seed(0)
+    new = GPTLikeModel(cfg)
+    assert all(
+        isinstance(layer.self_attn, DocumentMultiheadAttention) for layer in new.decoder.layers
+    )
+    old_sd, new_sd = old.state_dict(), new.state_dict()
+    assert list(new_sd) == list(old_sd)
+    assert all(torch.equal(new_sd[k], old_sd[k]) for k in old_sd)  # same seeded init
+    buf = io.BytesIO()
+    torch.save(old_sd, buf)
+    buf.seek(0)
+    fresh = GPTLikeModel(cfg)
+    fresh.load_state_dict(torch.load(buf), strict=True)
+    assert all(torch.equal(fresh.state_dict()[k], old_sd[k]) for k in old_sd)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_unpacked_forward_and_backward_unchanged(norm_first):
+    cfg = replace(TINY, norm_first=norm_first)  # dropout 0.1: training draws must match too
+    torch.manual_seed(0)
+    old = legacy_model(cfg)
+    new = GPTLikeModel(cfg)
+    new.load_state_dict(old.state_dict())
+    ids = torch.randint(1, 50, (3, 12))
+    pad = torch.arange(12) >= torch.tensor([[12], [7], [1]])
+    for mode in ("eval", "train"):
+        old.train(mode == "train"), new.train(mode == "train")
+        for mask in (None, pad):
+            torch.manual_seed(1)
+            want = legacy_logits(old, cfg, ids, mask)
+            torch.manual_seed(1)
+            got = new(ids, mask)
+            assert torch.equal(got, want), (mode, mask is None)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    old_params = dict(old.named_parameters())
+    for name, p in new.named_parameters():
+        assert torch.equal(p.grad, old_params[name].grad), name
+
+
+def test_packed_forward_equals_legacy_dense_and_each_document_alone():
+    torch.manual_seed(0)
+    base = GPTLikeModel(replace(PACKED, doc_attention="dense")).eval()
+    old = legacy_model(PACKED).eval()
+    old.load_state_dict(base.state_dict())
+    batch = packed_batch()
+    kwargs = {"position_ids": batch.position_ids, "doc_ids": batch.doc_ids}
+    backends = ["dense"] + (["flex"] if flex_available() else [])
+    with torch.no_grad():  # eager FlexAttention on CPU is forward-only
+        want = legacy_logits(old, PACKED, batch.input_ids, **kwargs)
+        for backend in backends:
+            model = GPTLikeModel(replace(PACKED, doc_attention=backend)).eval()
+            model.load_state_dict(base.state_dict())
+            got = model(batch.input_ids, **kwargs)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for b, lens in enumerate(PACKED_LAYOUTS):
+                start = 0
+                for n in lens:
+                    alone = model(batch.input_ids[b : b + 1, start : start + n])
+                    torch.testing.assert_close(
+                        got[b : b + 1, start : start + n], alone, rtol=1e-5, atol=1e-5
+                    )
+                    start += n
+    assert torch.isfinite(want).all()
+
+
+def test_packed_gradients_equal_legacy_dense_path():
+    torch.manual_seed(0)
+    old = legacy_model(PACKED).double().train()
+    new = GPTLikeModel(PACKED).double().train()
+    new.load_state_dict(old.state_dict())
+    batch = packed_batch()
+    kwargs = {"position_ids": batch.position_ids, "doc_ids": batch.doc_ids}
+    want = legacy_logits(old, PACKED, batch.input_ids, **kwargs)
+    got = new(batch.input_ids, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    old_params = dict(old.named_parameters())
+    for name, p in new.named_parameters():
+        torch.testing.assert_close(p.grad, old_params[name].grad, rtol=1e-9, atol=1e-12)
+
+
+def test_packed_training_with_dropout_takes_the_dense_path():
+    # FlexAttention has no attention dropout; the MHA-level test shows the dense path draws
+    # it as nn.MultiheadAttention does.
+    model = GPTLikeModel(replace(PACKED, dropout=0.1))
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    assert model.train().doc_attention_backend(cuda) == "dense"
+    if flex_available():
+        assert model.eval().doc_attention_backend(cuda) == "flex"
+    batch = packed_batch()
+    kwargs = {"position_ids": batch.position_ids, "doc_ids": batch.doc_ids}
+    with torch.no_grad():
+        plain = model.eval()(batch.input_ids, **kwargs)
+    dropped = model.train()(batch.input_ids, **kwargs)
+    assert not torch.allclose(dropped, plain)
+    dropped.square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("backend", ["dense"] + (["flex"] if flex_available() else []))
+def test_document_mask_built_once_and_shared_by_all_layers(monkeypatch, backend):
+    model = GPTLikeModel(replace(PACKED, doc_attention=backend)).eval()
+    built, seen = [], []
+    real = gpt_like.document_mask
+    monkeypatch.setattr(
+        gpt_like, "document_mask", lambda *a, **k: built.append(real(*a, **k)) or built[-1]
+    )
+    for layer in model.decoder.layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda mod, args, kwargs: seen.append(kwargs["attn_mask"]), with_kwargs=True
+        )
+    batch = packed_batch()
+    with torch.no_grad():
+        model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
+    assert len(built) == 1 and built[0].backend == backend
+    assert len(seen) == PACKED.n_layers and all(m is built[0] for m in seen)
+
+
+def test_packed_input_errors():
+    batch = packed_batch()
+    model = GPTLikeModel(PACKED)
+    with pytest.raises(ValueError, match="either padding_mask or doc_ids"):
+        model(batch.input_ids, batch.doc_ids < 0, doc_ids=batch.doc_ids)
+    with pytest.raises(ValueError, match="doc_attention must be"):
+        GPTLikeConfig(doc_attention="flash")
+    if flex_available():
+        flex = GPTLikeModel(replace(PACKED, dropout=0.1, doc_attention="flex")).train()
+        with pytest.raises(ValueError, match="no attention dropout"):
+            flex(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
+
+
+@pytest.mark.gpu
+def test_cuda_packed_flex_matches_dense_forward_and_backward():
+    torch.manual_seed(0)
+    cfg = GPTLikeConfig(vocab_size=1000, n_layers=2, dropout=0.0)
+    layouts = [[200, 50, 300, 40], [640], [1, 639], [128, 128, 128, 100]]
+    batch = packed_batch(layouts, seq_len=640, vocab=1000).to("cuda")
+    kwargs = {"position_ids": batch.position_ids, "doc_ids": batch.doc_ids}
+    flex = GPTLikeModel(cfg).cuda()
+    dense = GPTLikeModel(replace(cfg, doc_attention="dense")).cuda()
+    dense.load_state_dict(flex.state_dict())
+    assert flex.doc_attention_backend(torch.device("cuda")) == "flex"
+    outs = []
+    for model in (flex, dense):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(batch.input_ids, **kwargs)
+        logits.float().square().mean().backward()
+        outs.append(logits.float())
+
+    def rel_err(a, b):  # norm-wise: two bf16 kernels differ elementwise by bf16 rounding
+        return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+    assert rel_err(outs[0], outs[1]) < 1e-2
+    dense_params = dict(dense.named_parameters())
+    for name, p in flex.named_parameters():
+        assert rel_err(p.grad, dense_params[name].grad) < 3e-2, name
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_cudnn_attention_flag_controls_the_sdpa_backends_inside_the_model(allow):
+    seen = []
+    model = GPTLikeModel(GPTLikeConfig(vocab_size=50, d_model=16, n_heads=2, d_ff=32,
+                                       max_length=8, cudnn_attention=allow))  # fmt: skip
+    model.decoder.register_forward_pre_hook(
+        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+    )
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    model.features(torch.randint(0, 50, (2, 8)))
+    assert seen == [allow and before]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # restored on exit

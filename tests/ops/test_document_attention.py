@@ -6,24 +6,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from effdl.data.packing import collate_packed, pack_row
+from effdl.data.packing import collate_packed, document_causal_mask, pack_row
 from effdl.ops import document_attention as da
 from effdl.ops.document_attention import (
-    DocumentSelfAttention,
+    DocumentMultiheadAttention,
     document_attention,
+    document_block_mask,
     document_mask,
     flex_available,
-    mha_attn_mask,
     select_backend,
 )
 
 LAYOUTS = [[5, 3, 8], [16], [1, 1, 6, 2], [4, 7]]  # doc lengths per row; the rest is padding
 SEQ_LEN = 16
+BLOCK_FIELDS = [
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+]
+
+needs_flex = pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
 
 
 def packed_doc_ids(layouts=LAYOUTS, seq_len=SEQ_LEN):
     rows = [pack_row([np.ones(n, dtype=np.int64) for n in lens], seq_len, 0) for lens in layouts]
     return collate_packed(rows).doc_ids
+
+
+def random_packed_doc_ids(rows, seq_len, max_doc, seed=0):
+    """Packed rows of random document lengths, each ending in 0 .. seq_len/4 padding tokens."""
+    rng = np.random.default_rng(seed)
+    layouts = []
+    for _ in range(rows):
+        room = seq_len - int(rng.integers(0, seq_len // 4 + 1))
+        lens = []
+        while sum(lens) < room:
+            lens.append(min(int(rng.integers(1, max_doc + 1)), room - sum(lens)))
+        layouts.append(lens)
+    return packed_doc_ids(layouts, seq_len)
 
 
 def per_document_reference(q, k, v, doc_ids):
@@ -43,6 +68,30 @@ def qkv(shape, dtype=torch.float64, device="cpu", seed=0):
     return [torch.randn(shape, generator=g, dtype=dtype).to(device) for _ in range(3)]
 
 
+def reference_block_mask(doc_ids, block_size):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    batch, seq_len = doc_ids.shape
+    return create_block_mask(
+        document_causal, batch, None, seq_len, seq_len, device=doc_ids.device, BLOCK_SIZE=block_size
+    )
+
+
+def assert_same_block_mask(mine, ref):
+    assert mine.seq_lengths == ref.seq_lengths
+    assert tuple(mine.BLOCK_SIZE) == tuple(ref.BLOCK_SIZE)
+    for name in BLOCK_FIELDS:
+        assert torch.equal(getattr(mine, name), getattr(ref, name)), name
+
+
+def mha_blocked_mask(doc_ids, heads):
+    """The model's pre-FlexAttention path: nn.MultiheadAttention's (B * heads, L, L) mask."""
+    return (~document_causal_mask(doc_ids)).repeat_interleave(heads, dim=0)
+
+
 BACKENDS = ["dense"] + (["flex"] if flex_available() else [])
 
 
@@ -57,6 +106,16 @@ def test_equals_each_document_alone(backend):
     tol = 1e-5 if backend == "flex" else 1e-12
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     assert torch.isfinite(out).all()  # padding rows are not empty
+
+
+@needs_flex
+@pytest.mark.parametrize(("seq_len", "block_size"), [(300, 128), (100, 16)])
+def test_flex_over_several_blocks_equals_each_document_alone(seq_len, block_size):
+    # Several blocks, the last one partial: exercises skipped, full and masked blocks.
+    doc_ids = random_packed_doc_ids(4, seq_len, max_doc=seq_len // 2, seed=1)
+    q, k, v = qkv((4, 2, seq_len, 8), dtype=torch.float32, seed=1)
+    out = document_attention(q, k, v, document_mask(doc_ids, "flex", block_size=block_size))
+    torch.testing.assert_close(out, per_document_reference(q, k, v, doc_ids), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -81,23 +140,121 @@ def test_no_attention_across_documents(backend):
     assert (v.grad[0, :, ~other] == 0).all()
 
 
-def test_mha_mask_matches_document_self_attention():
+@needs_flex
+@pytest.mark.parametrize(
+    ("seq_len", "block_size"), [(640, 128), (600, 128), (300, 128), (100, 16), (37, 8), (9, 1)]
+)
+def test_block_mask_equals_create_block_mask(seq_len, block_size):
+    doc_ids = random_packed_doc_ids(6, seq_len, max_doc=max(2, seq_len // 3), seed=seq_len)
+    mine = document_block_mask(doc_ids, block_size)
+    assert_same_block_mask(mine, reference_block_mask(doc_ids, block_size))
+
+
+@needs_flex
+def test_block_mask_equals_create_block_mask_for_any_ids():
+    # Not only packing's layout: ids that repeat after a gap, large and negative ids.
+    g = torch.Generator().manual_seed(3)
+    doc_ids = torch.tensor([-7, 0, 3, 10**9]).index_select(
+        0, torch.randint(0, 4, (5 * 200,), generator=g)
+    )
+    doc_ids = doc_ids.view(5, 200)
+    doc_ids[0] = 4  # one document filling the row: full blocks left of the diagonal
+    assert_same_block_mask(document_block_mask(doc_ids, 32), reference_block_mask(doc_ids, 32))
+
+
+@needs_flex
+def test_block_mask_skips_blocks_between_documents():
+    # Two documents of 256 tokens in a 512-token row: blocks of different documents are
+    # skipped, blocks inside one are full, diagonal blocks are masked.
+    doc_ids = torch.tensor([[0] * 256 + [1] * 256])
+    bm = document_block_mask(doc_ids, 128)
+    dense_partial = torch.zeros(4, 4, dtype=torch.int32)
+    for i in range(4):
+        dense_partial[i, bm.kv_indices[0, 0, i, : bm.kv_num_blocks[0, 0, i]].long()] = 1
+    dense_full = torch.zeros(4, 4, dtype=torch.int32)
+    for i in range(4):
+        dense_full[i, bm.full_kv_indices[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]].long()] = 1
+    assert torch.equal(dense_partial, torch.eye(4, dtype=torch.int32))
+    assert dense_full.tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
+
+
+def test_multihead_attention_with_document_mask_equals_dense_mha_mask():
     torch.manual_seed(0)
     d_model, heads = 32, 4
     doc_ids = packed_doc_ids()
     x = torch.randn(len(LAYOUTS), SEQ_LEN, d_model, dtype=torch.float64)
-    mine = DocumentSelfAttention(d_model, heads).double()
     mha = nn.MultiheadAttention(d_model, heads, batch_first=True).double()
-    with torch.no_grad():
-        mha.in_proj_weight.copy_(mine.qkv.weight)
-        mha.in_proj_bias.copy_(mine.qkv.bias)
-        mha.out_proj.weight.copy_(mine.out.weight)
-        mha.out_proj.bias.copy_(mine.out.bias)
-    want, _ = mha(x, x, x, attn_mask=mha_attn_mask(doc_ids, heads), need_weights=False)
-    got = mine(x, document_mask(doc_ids, backend="dense"))
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="not divisible"):
-        DocumentSelfAttention(30, 4)
+    mine = DocumentMultiheadAttention.like(mha)
+    want, _ = mha(x, x, x, attn_mask=mha_blocked_mask(doc_ids, heads), need_weights=False)
+    got, weights = mine(x, x, x, attn_mask=document_mask(doc_ids, "dense"), need_weights=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert weights is None
+    if flex_available():
+        with torch.no_grad():  # eager FlexAttention on CPU is forward-only
+            xf = x.float()
+            flex, _ = mine.float()(
+                xf, xf, xf, attn_mask=document_mask(doc_ids, "flex"), need_weights=False
+            )
+        torch.testing.assert_close(flex, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_multihead_attention_dense_dropout_equals_nn_multihead_attention():
+    # Same seed, same attention-weight dropout draws as PyTorch's MHA with the dense mask.
+    d_model, heads = 32, 4
+    doc_ids = packed_doc_ids()
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(d_model, heads, dropout=0.3, batch_first=True).double()
+    mine = DocumentMultiheadAttention.like(mha).train()
+    x = torch.randn(len(LAYOUTS), SEQ_LEN, d_model, dtype=torch.float64)
+    torch.manual_seed(1)
+    want, _ = mha(x, x, x, attn_mask=mha_blocked_mask(doc_ids, heads), need_weights=False)
+    torch.manual_seed(1)
+    got, _ = mine(x, x, x, attn_mask=document_mask(doc_ids, "dense"), need_weights=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    mine.eval()
+    torch.manual_seed(1)
+    assert not torch.allclose(
+        mine(x, x, x, attn_mask=document_mask(doc_ids, "dense"), need_weights=False)[0], got
+    )
+
+
+def test_multihead_attention_like_shares_parameters_and_defers_other_masks():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, dropout=0.1, batch_first=True)
+    rng_before = torch.get_rng_state()
+    mine = DocumentMultiheadAttention.like(mha)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # built on meta: no random init
+    assert list(mine.state_dict()) == list(mha.state_dict())
+    assert all(a is b for a, b in zip(mine.parameters(), mha.parameters(), strict=True))
+    assert (mine.dropout, mine.batch_first, mine.num_heads) == (0.1, True, 2)
+    mha.eval(), mine.eval()
+    x = torch.randn(3, 7, 16)
+    causal = torch.ones(7, 7, dtype=torch.bool).triu(1)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    for kwargs in ({"attn_mask": causal}, {"key_padding_mask": pad}, {}):
+        want = mha(x, x, x, **kwargs)
+        got = mine(x, x, x, **kwargs)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="plain self-attention"):
+        DocumentMultiheadAttention.like(nn.MultiheadAttention(16, 2, kdim=8, vdim=8))
+
+
+def test_multihead_attention_document_mask_errors():
+    mine = DocumentMultiheadAttention(16, 2)
+    doc_ids = packed_doc_ids()
+    x = torch.randn(len(LAYOUTS), SEQ_LEN, 16)
+    mask = document_mask(doc_ids, "dense")
+    with pytest.raises(ValueError, match="self-attention"):
+        mine(x, x.clone(), x, attn_mask=mask, need_weights=False)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        mine(x, x, x, attn_mask=mask, key_padding_mask=doc_ids < 0, need_weights=False)
+    with pytest.raises(ValueError, match="need_weights=False"):
+        mine(x, x, x, attn_mask=mask)
+    if flex_available():
+        drop = DocumentMultiheadAttention(16, 2, dropout=0.1).train()
+        with pytest.raises(ValueError, match="no attention dropout"):
+            drop(x, x, x, attn_mask=document_mask(doc_ids, "flex"), need_weights=False)
 
 
 def test_backend_choice_is_logged_once(caplog):
@@ -114,14 +271,29 @@ def test_backend_choice_is_logged_once(caplog):
         document_mask(torch.zeros(4, dtype=torch.int32))
 
 
+@needs_flex
+def test_backend_with_attention_dropout(caplog):
+    # Device objects only: no CUDA needed to check the choice.
+    da._announce.cache_clear()
+    with caplog.at_level(logging.INFO, logger=da.__name__):
+        assert select_backend("cuda") == "flex"
+        assert select_backend("cuda", dropout=0.1) == "dense"
+        assert select_backend("cuda", dropout=0.1) == "dense"
+    assert sum("attention dropout 0.1" in r.message for r in caplog.records) == 1
+    assert select_backend("cuda", "dense", dropout=0.1) == "dense"
+    with pytest.raises(ValueError, match="no attention dropout"):
+        select_backend("cuda", "flex", dropout=0.1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_on_cuda_matches_dense(dtype):
+@pytest.mark.parametrize("seq_len", [640, 600])
+def test_flex_on_cuda_matches_dense(dtype, seq_len):
     assert select_backend("cuda") == "flex"
-    lens = [[200, 50, 300, 90], [640], [1, 639], [128, 128, 128, 100]]
-    doc_ids = packed_doc_ids(lens, 640).cuda()
+    lens = [[200, 50, 300, 40], [seq_len], [1, seq_len - 1], [128, 128, 128, 100]]
+    doc_ids = packed_doc_ids(lens, seq_len).cuda()
     q, k, v = (
-        t.to(dtype).requires_grad_(True) for t in qkv((4, 8, 640, 64), torch.float32, "cuda")
+        t.to(dtype).requires_grad_(True) for t in qkv((4, 8, seq_len, 64), torch.float32, "cuda")
     )
     out = document_attention(q, k, v, document_mask(doc_ids))
     ref = document_attention(q, k, v, document_mask(doc_ids, backend="dense"))
@@ -132,18 +304,19 @@ def test_flex_on_cuda_matches_dense(dtype):
     torch.testing.assert_close(g_flex, g_dense, rtol=10 * tol, atol=10 * tol)
 
 
-def test_mha_mask_as_decoder_layer_tgt_mask_equals_documents_alone():
-    # How a model built from nn.TransformerDecoderLayer (effdl.models.gpt_like) runs packed rows.
-    torch.manual_seed(0)
-    d_model, heads = 32, 4
-    layer = nn.TransformerDecoderLayer(d_model, heads, 64, dropout=0.0, batch_first=True).double()
-    doc_ids = packed_doc_ids()
-    x = torch.randn(len(LAYOUTS), SEQ_LEN, d_model, dtype=torch.float64)
-    memory = x.new_zeros(len(LAYOUTS), 1, d_model)
-    packed = layer(x, memory, tgt_mask=mha_attn_mask(doc_ids, heads))
-    for b in range(len(LAYOUTS)):
-        for d in doc_ids[b].unique():
-            idx = (doc_ids[b] == d).nonzero().squeeze(1)
-            causal = nn.Transformer.generate_square_subsequent_mask(len(idx), dtype=torch.float64)
-            alone = layer(x[b : b + 1, idx], memory[b : b + 1], tgt_mask=causal)
-            torch.testing.assert_close(packed[b : b + 1, idx], alone, rtol=1e-10, atol=1e-10)
+@pytest.mark.gpu
+def test_cuda_block_mask_equals_create_block_mask_and_does_not_recompile():
+    from torch._dynamo.utils import counters
+
+    q, k, v = qkv((8, 4, 640, 64), torch.bfloat16, "cuda")
+    graphs = None
+    for seed in range(4):
+        doc_ids = random_packed_doc_ids(8, 640, max_doc=300, seed=seed).cuda()
+        mask = document_mask(doc_ids)
+        assert_same_block_mask(mask.block_mask, reference_block_mask(doc_ids, 128))
+        out = document_attention(q, k, v, mask)
+        ref = per_document_reference(q.float(), k.float(), v.float(), doc_ids)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+        if graphs is None:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs  # a new doc_ids closure: no recompile
