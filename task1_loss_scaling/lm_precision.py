@@ -111,6 +111,9 @@ def parse_args():
                    "grow as the LM trains (2**16 overflowed on ~1 step in 6 in the CPU smoke run)")  # fmt: skip
     p.add_argument("--growth-interval", type=int, default=100,
                    help="both dynamic scalers (torch's default 2000 would never grow in 500 steps)")  # fmt: skip
+    p.add_argument("--timing-batch-sizes", type=int, nargs="+", default=None,
+                   help="rows of the fixed timing batch(es) of --max-length tokens (default: "
+                   "--batch-size); a larger one shows the GPU-bound regime")  # fmt: skip
     p.add_argument("--timing-reps", type=int, default=None,
                    help="timed reps per setup and quantity (100; quick 4; 0 = no timing)")  # fmt: skip
     return p.parse_args()
@@ -376,6 +379,7 @@ def main() -> None:
              "--max-vocab": pick(args.max_vocab, 32768, 2048), "--eval-batches": eval_batches,
              "--d-model": d_model, "--n-layers": pick(args.n_layers, 4, 2)}  # fmt: skip
     bad = [flag for flag, v in sizes.items() if v < 2]
+    timing_rows = args.timing_batch_sizes or []
     if bad or d_model % 8 or min(noise_seeds, reps, args.k) < 0:
         raise UsageError(f"{bad or '--d-model'}: sizes must be >= 2, --d-model a multiple of 8, "
                          "--noise-seeds/--timing-reps/--k non-negative")  # fmt: skip
@@ -400,6 +404,9 @@ def main() -> None:
         growth_interval=args.growth_interval, device=str(device), corpus=source,
     )  # fmt: skip
     train_corpus, heldout_corpus = split_corpus(corpus, n_heldout, args.seed)
+    if timing_rows and not 1 <= min(timing_rows) <= max(timing_rows) <= len(train_corpus):
+        raise UsageError(f"--timing-batch-sizes: each must be in 1..{len(train_corpus)} "
+                         f"(training samples); got {timing_rows}")  # fmt: skip
     train = batches_of(train_corpus, cfg.steps, cfg, vocab.pad_id, args.seed, device)
     heldout = batches_of(heldout_corpus, eval_batches, cfg, vocab.pad_id, args.seed, device)
     log = RunLog(args.out / "lm_precision.jsonl", task="task1_lm_precision")
@@ -416,12 +423,12 @@ def main() -> None:
             for s, seed, role in tqdm(jobs, desc="runs", unit="run")]  # fmt: skip
     log_finals(runs, log)
 
-    if reps > 0:
-        fixed = pad_batch([train_corpus[i] for i in range(cfg.batch_size)], vocab.pad_id,
+    for rows in args.timing_batch_sizes or ([cfg.batch_size] if reps > 0 else []):
+        fixed = pad_batch([train_corpus[i] for i in range(rows)], vocab.pad_id,
                           pad_to=cfg.max_length).to(device)  # fmt: skip
         timing = time_setups(args.setups, cfg, device, fixed, reps, log, run_id)
         print_table(timing, title=f"One gradient computation (fwd+bwd) and one training step, "
-                    f"fixed {cfg.batch_size}x{cfg.max_length} batch, median, on {where}")  # fmt: skip
+                    f"fixed {rows}x{cfg.max_length} batch, median, on {where}")  # fmt: skip
         by = {t["setup"]: t for t in timing}
         if REFERENCE in by and "own_autocast_torch_scaler" in by:
             print(

@@ -7,9 +7,15 @@ or a ``torch.nn.functional`` function passes through :class:`_CastingMode` (a
 * ``LOW``: matrix-multiply-class ops (linear, matmul/mm/bmm/addmm/baddbmm, einsum,
   convolutions, scaled-dot-product and multi-head attention): floating inputs on the region's
   device are cast to the low dtype, so they run on tensor cores and return low precision.
-* ``FP32``: ops that need fp32's range or accumulation (normalizations, softmax/log-softmax,
-  losses, exp/log/pow-like pointwise ops, sums/products/norms): low-precision inputs are cast
-  to fp32 and the result is fp32.
+* ``FP32``: ops that need fp32's range or accumulation (normalizations, losses,
+  exp/log/pow-like pointwise ops, norms): low-precision inputs are cast to fp32 and the result
+  is fp32.
+* ``FP32_OUT``: ops with a ``dtype=`` argument (softmax/log-softmax, sum/prod, cumsum/cumprod)
+  get ``dtype=torch.float32`` instead: the kernel reads the low-precision input and computes
+  and writes fp32, one pass over the data instead of a cast pass plus an fp32 pass (torch's
+  ``fp32_set_opt_dtype`` policy). Cross-entropy on low-precision logits likewise runs as
+  ``nll_loss(log_softmax(x, dtype=float32))`` when it has class-index targets and no label
+  smoothing: on an LM's (tokens x vocabulary) logits this saves a full fp32 copy per step.
 * everything else runs untouched in whatever dtype it receives.
 
 The lists follow torch.autocast's CUDA policy, with one deliberate difference: batch norm is an
@@ -38,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-LOW, FP32 = 1, 2
+LOW, FP32, FP32_OUT = 1, 2, 3
 _CASTABLE = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 _LOW_NAMES = (
@@ -52,9 +58,8 @@ _FP32_NAMES = (
     # normalizations
     "layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "local_response_norm",
     "normalize",
-    # softmax family and range-sensitive reductions
-    "softmax", "log_softmax", "softmin", "logsumexp", "sum", "prod", "cumsum", "cumprod",
-    "norm", "vector_norm", "matrix_norm", "dist", "cdist", "pdist", "renorm", "cosine_similarity",
+    # range-sensitive reductions without a dtype argument
+    "softmin", "logsumexp", "norm", "vector_norm", "matrix_norm", "dist", "cdist", "pdist", "renorm", "cosine_similarity",
     # pointwise ops whose results leave fp16's range or lose its precision
     "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "pow", "__pow__",
     "__rpow__", "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv",
@@ -65,6 +70,7 @@ _FP32_NAMES = (
     "multilabel_margin_loss", "multilabel_soft_margin_loss", "soft_margin_loss",
     "triplet_margin_loss", "multi_margin_loss",
 )  # fmt: skip
+_FP32_OUT_NAMES = ("softmax", "log_softmax", "sum", "prod", "cumsum", "cumprod")
 _NAMESPACES = (torch, torch.Tensor, F, torch._C._nn, torch.linalg, torch.functional)
 
 
@@ -79,12 +85,44 @@ def _collect(names: Iterable[str]) -> set:
 
 
 _POLICY: dict[Any, int] = {f: FP32 for f in _collect(_FP32_NAMES)}
+_POLICY.update({f: FP32_OUT for f in _collect(_FP32_OUT_NAMES)})
 _POLICY.update({f: LOW for f in _collect(_LOW_NAMES)})
+_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
+_CONTAINERS = (Tensor, list, tuple)  # argument types that may hold something to cast
+
+
+def _cross_entropy_fp32(
+    input: Tensor,
+    target: Tensor,
+    weight: Tensor | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """``F.cross_entropy`` in fp32 without materialising an fp32 copy of ``input`` first."""
+    if weight is not None and weight.dtype in _LOW_PRECISION:
+        weight = weight.float()
+    if (
+        input.dtype not in _LOW_PRECISION
+        or target.is_floating_point()  # class probabilities: the plain fp32 path
+        or label_smoothing != 0.0
+        or size_average is not None
+        or reduce is not None
+    ):
+        return F.cross_entropy(input.float(), target, weight, size_average, ignore_index,
+                               reduce, reduction, label_smoothing)  # fmt: skip
+    log_probs = F.log_softmax(input, dim=0 if input.dim() == 1 else 1, dtype=torch.float32)
+    return F.nll_loss(log_probs, target, weight, ignore_index=ignore_index, reduction=reduction)
+
+
+_SPECIAL = {F.cross_entropy: _cross_entropy_fp32}
 
 
 def policy_of(func: Any) -> str | None:
     """``"low"``, ``"fp32"`` or None (runs as given) for a torch function object."""
-    return {LOW: "low", FP32: "fp32", None: None}[_POLICY.get(func)]
+    return {LOW: "low", FP32: "fp32", FP32_OUT: "fp32", None: None}[_POLICY.get(func)]
 
 
 class _CastingMode(TorchFunctionMode):
@@ -101,39 +139,59 @@ class _CastingMode(TorchFunctionMode):
         self.cache: dict[int, tuple[Tensor, Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Hot path: most intercepted calls (views, shapes, adds, dropout) have no policy.
         kind = _POLICY.get(func)
         if kind is None:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kind == FP32_OUT:
+            return self._run_fp32_out(func, args, kwargs or {})
         # One cast per distinct tensor per call: attention checks ``query is key is value`` to
         # run one packed in-projection GEMM, so casting the same tensor twice would split it in 3.
         memo: dict[int, Any] = {}
-        args = [self._cast_once(a, kind, memo) for a in args]
+        args = [self._cast_arg(a, kind, memo) if isinstance(a, _CONTAINERS) else a for a in args]
         if kwargs:
-            kwargs = {k: self._cast_once(v, kind, memo) for k, v in kwargs.items()}
-            return func(*args, **kwargs)
-        return func(*args)
+            kwargs = {
+                k: self._cast_arg(v, kind, memo) if isinstance(v, _CONTAINERS) else v
+                for k, v in kwargs.items()
+            }
+            return _SPECIAL.get(func, func)(*args, **kwargs)
+        return _SPECIAL.get(func, func)(*args)
 
-    def _cast_once(self, a: Any, kind: int, memo: dict[int, Any]) -> Any:
-        if not isinstance(a, Tensor):
-            return self._cast(a, kind)
-        hit = memo.get(id(a))
-        if hit is None:
-            hit = memo[id(a)] = self._cast(a, kind)
-        return hit
+    def _run_fp32_out(self, func, args, kwargs):
+        """Call ``func`` with ``dtype=float32`` when its input is low precision on a cast device."""
+        x = args[0] if args else kwargs.get("input")
+        if (
+            isinstance(x, Tensor)
+            and x.dtype in _LOW_PRECISION
+            and kwargs.get("dtype") is None
+            and not any(isinstance(a, torch.dtype) for a in args)  # dtype given positionally
+            and self._low_for(x) is not None
+        ):
+            kwargs = {**kwargs, "dtype": torch.float32}
+        return func(*args, **kwargs)
 
-    def _cast(self, a: Any, kind: int) -> Any:
+    def _low_for(self, t: Tensor) -> torch.dtype | None:
+        return self.low.get("cuda" if t.is_cuda else t.device.type)
+
+    def _cast_arg(self, a: Any, kind: int, memo: dict[int, Any]) -> Any:
         if isinstance(a, Tensor):
-            if a.dtype not in _CASTABLE:  # integers, bool, fp64 stay as they are
-                return a
-            low = self.low.get("cuda" if a.is_cuda else a.device.type)
-            if low is None:
-                return a
-            if kind == LOW:
-                return a if a.dtype is low else self._to_low(a, low)
-            return a if a.dtype is torch.float32 else a.float()
-        if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor):
+            hit = memo.get(id(a))
+            if hit is None:
+                hit = memo[id(a)] = self._cast(a, kind)
+            return hit
+        if a and isinstance(a[0], Tensor):  # a list or tuple of tensors
             return type(a)([self._cast(t, kind) for t in a])
         return a
+
+    def _cast(self, a: Tensor, kind: int) -> Tensor:
+        if a.dtype not in _CASTABLE:  # integers, bool, fp64 stay as they are
+            return a
+        low = self._low_for(a)
+        if low is None:
+            return a
+        if kind == LOW:
+            return a if a.dtype is low else self._to_low(a, low)
+        return a if a.dtype is torch.float32 else a.float()
 
     def _to_low(self, t: Tensor, low: torch.dtype) -> Tensor:
         if not (self.cache_enabled and t.is_leaf and t.requires_grad and torch.is_grad_enabled()):

@@ -262,3 +262,68 @@ def test_self_attention_keeps_one_packed_in_projection():
             mha(x, x, x, need_weights=False)
         counts.append(counter.n)
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"ignore_index": 3, "reduction": "sum"},
+        {"weight": True, "reduction": "none"},
+        {"label_smoothing": 0.1},  # falls back to casting the input
+    ],
+)
+@pytest.mark.parametrize("shape", [(8, 5), (4, 5, 3), (5,)])
+def test_cross_entropy_on_low_precision_logits_equals_fp32_cross_entropy(kwargs, shape):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(*shape, generator=g).to(torch.bfloat16).requires_grad_()
+    n_classes = shape[0] if len(shape) == 1 else shape[1]
+    target_shape = () if len(shape) == 1 else (shape[0], *shape[2:])
+    target = torch.randint(0, n_classes, target_shape, generator=g)
+    if kwargs.get("weight"):
+        kwargs = {**kwargs, "weight": torch.rand(n_classes, generator=g).to(torch.bfloat16)}
+    ref_logits = logits.detach().float().requires_grad_()
+    ref_kwargs = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    ref = F.cross_entropy(ref_logits, target, **ref_kwargs)
+    with Autocast("cpu", torch.bfloat16):
+        out = F.cross_entropy(logits, target, **kwargs)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    ref.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_cross_entropy_with_probability_targets_runs_in_fp32():
+    logits = torch.randn(4, 6).to(torch.bfloat16)
+    probs = torch.softmax(torch.randn(4, 6), -1)
+    with Autocast("cpu", torch.bfloat16):
+        out = F.cross_entropy(logits, probs)
+    torch.testing.assert_close(out, F.cross_entropy(logits.float(), probs))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: F.softmax(x, -1),
+        lambda x: torch.log_softmax(x, -1),
+        lambda x: x.sum(0),
+        lambda x: torch.cumsum(x, 0),
+        lambda x: x.prod(-1),
+    ],
+)
+def test_dtype_argument_ops_compute_in_fp32_from_low_precision_input(op):
+    x = torch.randn(6, 4).to(torch.bfloat16)
+    with Autocast("cpu", torch.bfloat16):
+        out = op(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, op(x.float()))
+
+
+def test_explicit_dtype_argument_is_respected():
+    x = torch.randn(6, 4).to(torch.bfloat16)
+    with Autocast("cpu", torch.bfloat16):
+        assert x.sum(dtype=torch.float64).dtype == torch.float64
+        assert torch.softmax(x, -1, torch.float64).dtype == torch.float64
+        assert torch.ones(3, dtype=torch.int64).sum().dtype == torch.int64
