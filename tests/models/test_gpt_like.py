@@ -228,7 +228,9 @@ def test_unpacked_forward_and_backward_unchanged(norm_first):
     cfg = replace(TINY, norm_first=norm_first)  # dropout 0.1: training draws must match too
     torch.manual_seed(0)
     old = legacy_model(cfg)
-    new = GPTLikeModel(cfg)
+    # The legacy model masked padding keys; the default now skips that (equal at real positions:
+    # test_right_padding_needs_no_key_mask_under_causal_attention), so compare the exact path.
+    new = GPTLikeModel(replace(cfg, mask_padding_keys=True))
     new.load_state_dict(old.state_dict())
     ids = torch.randint(1, 50, (3, 12))
     pad = torch.arange(12) >= torch.tensor([[12], [7], [1]])
@@ -379,3 +381,24 @@ def test_cudnn_attention_flag_controls_the_sdpa_backends_inside_the_model(allow)
     model.features(torch.randint(0, 50, (2, 8)))
     assert seen == [allow and before]
     assert torch.backends.cuda.cudnn_sdp_enabled() == before  # restored on exit
+
+
+def test_right_padding_needs_no_key_mask_under_causal_attention():
+    torch.manual_seed(0)
+    cfg = GPTLikeConfig(vocab_size=40, d_model=16, n_heads=2, d_ff=32, max_length=12, dropout=0.0)
+    fast = GPTLikeModel(cfg).double()
+    exact = GPTLikeModel(replace(cfg, mask_padding_keys=True)).double()
+    exact.load_state_dict(fast.state_dict())
+    lengths = torch.tensor([12, 7, 1, 9])
+    padding = torch.arange(12) >= lengths[:, None]
+    ids = torch.randint(1, 40, (4, 12)).masked_fill(padding, 0)
+    loss_fn = LMCrossEntropyLoss()
+    out = {}
+    for name, model in (("fast", fast), ("exact", exact)):
+        logits = model(ids, padding)
+        loss_fn(logits, ids, padding).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        out[name] = (logits[~padding], grads)
+    torch.testing.assert_close(out["fast"][0], out["exact"][0])
+    for g_fast, g_exact in zip(out["fast"][1], out["exact"][1], strict=True):
+        torch.testing.assert_close(g_fast, g_exact)
