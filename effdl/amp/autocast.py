@@ -13,9 +13,9 @@ or a ``torch.nn.functional`` function passes through :class:`_CastingMode` (a
 * ``FP32_OUT``: ops with a ``dtype=`` argument (softmax/log-softmax, sum/prod, cumsum/cumprod)
   get ``dtype=torch.float32`` instead: the kernel reads the low-precision input and computes
   and writes fp32, one pass over the data instead of a cast pass plus an fp32 pass (torch's
-  ``fp32_set_opt_dtype`` policy). Cross-entropy on low-precision logits likewise runs as
-  ``nll_loss(log_softmax(x, dtype=float32))`` when it has class-index targets and no label
-  smoothing: on an LM's (tokens x vocabulary) logits this saves a full fp32 copy per step.
+  ``fp32_set_opt_dtype`` policy). Cross-entropy on low-precision logits runs as torch.autocast
+  runs it on CUDA: fp32 accumulation inside the kernels, log-probabilities kept in the input
+  dtype, fp32 result (see ``_cross_entropy``).
 * everything else runs untouched in whatever dtype it receives.
 
 The lists follow torch.autocast's CUDA policy, with one deliberate difference: batch norm is an
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-LOW, FP32, FP32_OUT = 1, 2, 3
+LOW, FP32, FP32_OUT, SPECIAL = 1, 2, 3, 4
 _CASTABLE = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 _LOW_NAMES = (
@@ -91,7 +91,7 @@ _LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 _CONTAINERS = (Tensor, list, tuple)  # argument types that may hold something to cast
 
 
-def _cross_entropy_fp32(
+def _cross_entropy(
     input: Tensor,
     target: Tensor,
     weight: Tensor | None = None,
@@ -101,28 +101,44 @@ def _cross_entropy_fp32(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
 ) -> Tensor:
-    """``F.cross_entropy`` in fp32 without materialising an fp32 copy of ``input`` first."""
+    """``F.cross_entropy`` with fp32 accumulation and an fp32 result, as torch.autocast runs it.
+
+    Low-precision logits with class-index targets go straight to the kernels, which accumulate
+    in fp32 but read and write the (tokens x classes) log-probabilities in the input dtype; the
+    profile of torch.autocast on CUDA shows exactly these kernels (log-softmax ``<Half, float,
+    Half>``). Casting the logits to fp32 first would move 3x the bytes: on an LM's logits that
+    made the loss 2.5x slower (reports/results/task1_autocast_trial/). Other cases (probability
+    targets, label smoothing, legacy reduction flags) run on fp32 logits.
+    """
+    if (
+        input.dtype in _LOW_PRECISION
+        and not target.is_floating_point()
+        and label_smoothing == 0.0
+        and size_average is None
+        and reduce is None
+    ):
+        if weight is not None:
+            weight = weight.to(input.dtype)
+        loss = F.cross_entropy(
+            input, target, weight, ignore_index=ignore_index, reduction=reduction
+        )
+        return loss.float()
     if weight is not None and weight.dtype in _LOW_PRECISION:
         weight = weight.float()
-    if (
-        input.dtype not in _LOW_PRECISION
-        or target.is_floating_point()  # class probabilities: the plain fp32 path
-        or label_smoothing != 0.0
-        or size_average is not None
-        or reduce is not None
-    ):
-        return F.cross_entropy(input.float(), target, weight, size_average, ignore_index,
-                               reduce, reduction, label_smoothing)  # fmt: skip
-    log_probs = F.log_softmax(input, dim=0 if input.dim() == 1 else 1, dtype=torch.float32)
-    return F.nll_loss(log_probs, target, weight, ignore_index=ignore_index, reduction=reduction)
+    return F.cross_entropy(input.float(), target, weight, size_average, ignore_index,
+                           reduce, reduction, label_smoothing)  # fmt: skip
 
 
-_SPECIAL = {F.cross_entropy: _cross_entropy_fp32}
+# Ops with their own mixed-precision recipe; they receive the arguments uncast.
+_SPECIAL = {F.cross_entropy: _cross_entropy}
+_POLICY.update({f: SPECIAL for f in _SPECIAL})
 
 
 def policy_of(func: Any) -> str | None:
     """``"low"``, ``"fp32"`` or None (runs as given) for a torch function object."""
-    return {LOW: "low", FP32: "fp32", FP32_OUT: "fp32", None: None}[_POLICY.get(func)]
+    return {LOW: "low", FP32: "fp32", FP32_OUT: "fp32", SPECIAL: "fp32", None: None}[
+        _POLICY.get(func)
+    ]
 
 
 class _CastingMode(TorchFunctionMode):
@@ -145,6 +161,11 @@ class _CastingMode(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         if kind == FP32_OUT:
             return self._run_fp32_out(func, args, kwargs or {})
+        if kind == SPECIAL:
+            x = args[0] if args else (kwargs or {}).get("input")
+            if isinstance(x, Tensor) and self._low_for(x) is not None:
+                func = _SPECIAL[func]
+            return func(*args, **kwargs) if kwargs else func(*args)
         # One cast per distinct tensor per call: attention checks ``query is key is value`` to
         # run one packed in-projection GEMM, so casting the same tensor twice would split it in 3.
         memo: dict[int, Any] = {}
@@ -154,8 +175,8 @@ class _CastingMode(TorchFunctionMode):
                 k: self._cast_arg(v, kind, memo) if isinstance(v, _CONTAINERS) else v
                 for k, v in kwargs.items()
             }
-            return _SPECIAL.get(func, func)(*args, **kwargs)
-        return _SPECIAL.get(func, func)(*args)
+            return func(*args, **kwargs)
+        return func(*args)
 
     def _run_fp32_out(self, func, args, kwargs):
         """Call ``func`` with ``dtype=float32`` when its input is low precision on a cast device."""

@@ -274,7 +274,7 @@ def test_self_attention_keeps_one_packed_in_projection():
     ],
 )
 @pytest.mark.parametrize("shape", [(8, 5), (4, 5, 3), (5,)])
-def test_cross_entropy_on_low_precision_logits_equals_fp32_cross_entropy(kwargs, shape):
+def test_cross_entropy_on_low_precision_logits_matches_fp32_cross_entropy(kwargs, shape):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(*shape, generator=g).to(torch.bfloat16).requires_grad_()
     n_classes = shape[0] if len(shape) == 1 else shape[1]
@@ -288,11 +288,11 @@ def test_cross_entropy_on_low_precision_logits_equals_fp32_cross_entropy(kwargs,
     with Autocast("cpu", torch.bfloat16):
         out = F.cross_entropy(logits, target, **kwargs)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)  # bf16 log-probabilities
     out.sum().backward()
     ref.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=2e-2, atol=1e-2)
 
 
 def test_cross_entropy_with_probability_targets_runs_in_fp32():
@@ -327,3 +327,21 @@ def test_explicit_dtype_argument_is_respected():
         assert x.sum(dtype=torch.float64).dtype == torch.float64
         assert torch.softmax(x, -1, torch.float64).dtype == torch.float64
         assert torch.ones(3, dtype=torch.int64).sum().dtype == torch.int64
+
+
+def test_cross_entropy_reads_low_precision_logits_without_an_fp32_copy(monkeypatch):
+    from effdl.amp import autocast as autocast_module
+
+    seen = []
+    real = autocast_module._cross_entropy
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.dtype)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setitem(autocast_module._SPECIAL, F.cross_entropy, spy)
+    logits = torch.randn(4, 6).to(torch.bfloat16)
+    with Autocast("cpu", torch.bfloat16):
+        F.cross_entropy(logits, torch.tensor([0, 1, 2, 3]))
+    F.cross_entropy(logits, torch.tensor([0, 1, 2, 3]))  # outside a region: not intercepted
+    assert seen == [torch.bfloat16]
