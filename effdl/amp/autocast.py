@@ -103,30 +103,40 @@ def _cross_entropy(
 ) -> Tensor:
     """``F.cross_entropy`` with fp32 accumulation and an fp32 result, as torch.autocast runs it.
 
-    Low-precision logits with class-index targets go straight to the kernels, which accumulate
-    in fp32 but read and write the (tokens x classes) log-probabilities in the input dtype; the
-    profile of torch.autocast on CUDA shows exactly these kernels (log-softmax ``<Half, float,
-    Half>``). Casting the logits to fp32 first would move 3x the bytes: on an LM's logits that
-    made the loss 2.5x slower (reports/results/task1_autocast_trial/). Other cases (probability
-    targets, label smoothing, legacy reduction flags) run on fp32 logits.
+    For low-precision logits with class-index targets, the log-softmax kernel accumulates in
+    fp32 but reads and writes the (tokens x classes) log-probabilities in the input dtype, as
+    torch.autocast's does on CUDA (its profile shows log-softmax ``<Half, float, Half>``);
+    only the picked target log-probabilities are taken to fp32 for the loss, so a scaled
+    loss's gradient (2**16 is inf in fp16) stays fp32 until it is divided over the tokens.
+    Casting the logits to fp32 first moves 3x the bytes: on an LM's logits that made the loss
+    2.5x slower (reports/results/task1_autocast_trial/). Other cases (probability targets,
+    label smoothing, legacy reduction flags) run on fp32 logits.
     """
     if (
-        input.dtype in _LOW_PRECISION
-        and not target.is_floating_point()
-        and label_smoothing == 0.0
-        and size_average is None
-        and reduce is None
+        input.dtype not in _LOW_PRECISION
+        or target.is_floating_point()
+        or label_smoothing != 0.0
+        or size_average is not None
+        or reduce is not None
     ):
-        if weight is not None:
-            weight = weight.to(input.dtype)
-        loss = F.cross_entropy(
-            input, target, weight, ignore_index=ignore_index, reduction=reduction
-        )
-        return loss.float()
-    if weight is not None and weight.dtype in _LOW_PRECISION:
-        weight = weight.float()
-    return F.cross_entropy(input.float(), target, weight, size_average, ignore_index,
-                           reduce, reduction, label_smoothing)  # fmt: skip
+        if weight is not None and weight.dtype in _LOW_PRECISION:
+            weight = weight.float()
+        return F.cross_entropy(input.float(), target, weight, size_average, ignore_index,
+                               reduce, reduction, label_smoothing)  # fmt: skip
+    class_dim = 0 if input.dim() == 1 else 1
+    log_probs = F.log_softmax(input, class_dim).movedim(class_dim, -1)
+    valid = target != ignore_index
+    index = target.masked_fill(~valid, 0)
+    picked = log_probs.gather(-1, index.unsqueeze(-1)).squeeze(-1).float()
+    w = valid.float() if weight is None else weight.float()[index] * valid
+    losses = -picked * w
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    if reduction == "mean":
+        return losses.sum() / w.sum()
+    raise ValueError(f"{reduction} is not a valid value for reduction")
 
 
 # Ops with their own mixed-precision recipe; they receive the arguments uncast.

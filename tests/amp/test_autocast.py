@@ -289,6 +289,11 @@ def test_cross_entropy_on_low_precision_logits_matches_fp32_cross_entropy(kwargs
         out = F.cross_entropy(logits, target, **kwargs)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)  # bf16 log-probabilities
+    scaled = logits.detach().clone().requires_grad_()
+    with Autocast("cpu", torch.bfloat16):
+        big = F.cross_entropy(scaled, target, **kwargs)
+    (big.sum() * 2.0**16).backward()  # a loss scale the low dtype could not hold as a gradient
+    assert torch.isfinite(scaled.grad).all()
     out.sum().backward()
     ref.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
@@ -345,3 +350,18 @@ def test_cross_entropy_reads_low_precision_logits_without_an_fp32_copy(monkeypat
         F.cross_entropy(logits, torch.tensor([0, 1, 2, 3]))
     F.cross_entropy(logits, torch.tensor([0, 1, 2, 3]))  # outside a region: not intercepted
     assert seen == [torch.bfloat16]
+
+
+def test_scaled_fp16_cross_entropy_gradient_stays_finite():
+    # 2**16, GradScaler's initial scale, overflows fp16: the loss and its gradient must stay
+    # fp32 until the gradient is spread over the tokens (here 64 -> 1024 per token, finite).
+    logits = torch.randn(64, 5).to(torch.float16).requires_grad_()
+    target = torch.randint(0, 5, (64,))
+    with Autocast("cpu", torch.float16):
+        loss = F.cross_entropy(logits, target)
+    (loss * 2.0**16).backward()
+    assert loss.dtype == torch.float32
+    assert torch.isfinite(logits.grad).all()
+    ref = logits.detach().float().requires_grad_()
+    F.cross_entropy(ref, target).backward()
+    torch.testing.assert_close(logits.grad.float() / 2.0**16, ref.grad, rtol=1e-2, atol=1e-3)
