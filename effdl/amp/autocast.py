@@ -13,9 +13,8 @@ or a ``torch.nn.functional`` function passes through :class:`_CastingMode` (a
 * ``FP32_OUT``: ops with a ``dtype=`` argument (softmax/log-softmax, sum/prod, cumsum/cumprod)
   get ``dtype=torch.float32`` instead: the kernel reads the low-precision input and computes
   and writes fp32, one pass over the data instead of a cast pass plus an fp32 pass (torch's
-  ``fp32_set_opt_dtype`` policy). Cross-entropy on low-precision logits runs as torch.autocast
-  runs it on CUDA: fp32 accumulation inside the kernels, log-probabilities kept in the input
-  dtype, fp32 result (see ``_cross_entropy``).
+  ``fp32_set_opt_dtype`` policy). Cross-entropy on low-precision logits accumulates in fp32
+  and returns an fp32 loss without first copying the logits to fp32 (see ``_cross_entropy``).
 * everything else runs untouched in whatever dtype it receives.
 
 The lists follow torch.autocast's CUDA policy, with one deliberate difference: batch norm is an
@@ -101,16 +100,16 @@ def _cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
 ) -> Tensor:
-    """``F.cross_entropy`` with fp32 accumulation and an fp32 result, as torch.autocast runs it.
+    """``F.cross_entropy`` with fp32 accumulation and an fp32 loss, without an fp32 logits copy.
 
-    For low-precision logits with class-index targets, the log-softmax kernel accumulates in
-    fp32 but reads and writes the (tokens x classes) log-probabilities in the input dtype, as
-    torch.autocast's does on CUDA (its profile shows log-softmax ``<Half, float, Half>``);
-    only the picked target log-probabilities are taken to fp32 for the loss, so a scaled
-    loss's gradient (2**16 is inf in fp16) stays fp32 until it is divided over the tokens.
-    Casting the logits to fp32 first moves 3x the bytes: on an LM's logits that made the loss
-    2.5x slower (reports/results/task1_autocast_trial/). Other cases (probability targets,
-    label smoothing, legacy reduction flags) run on fp32 logits.
+    For low-precision logits with class-index targets, the log-softmax kernel reads and writes
+    the (tokens x classes) log-probabilities in the input dtype and accumulates in fp32 (the
+    ``<Half, float, Half>`` kernel that also appears in torch.autocast's CUDA profile); only
+    the picked target log-probabilities are taken to fp32, and the loss is reduced in fp32, so
+    a scaled loss's gradient (2**16 is inf in fp16) stays fp32 until it is spread over the
+    tokens. Casting the logits to fp32 first moved 3x the bytes and made an LM's loss 2.5x
+    slower. Other cases (probability targets, label smoothing, legacy reduction flags) run on
+    fp32 logits.
     """
     if (
         input.dtype not in _LOW_PRECISION
