@@ -1,4 +1,3 @@
-import random
 import time
 
 import numpy as np
@@ -12,7 +11,8 @@ from effdl.data.samplers import (
     BalancedBatchSampler,
     UltraDuperBigBrainBatchSampler,
     UltraDuperBigBrainDataset,
-    _Fenwick,
+    _locate,
+    _remove,
     make_loader,
 )
 from effdl.data.tokenize import TokenizedCorpus
@@ -68,41 +68,109 @@ def test_small_k_gives_some_short_batches_and_large_k_is_big_brain():
     assert np.mean(spans) > 500  # random batches, like BIG BRAIN with shuffling
 
 
-class CountingRandom(random.Random):
-    calls = 0
+class CountingGenerator:
+    """A numpy Generator that counts the random values the sampler asks for."""
 
-    def randrange(self, *args):
-        self.calls += 1
-        return super().randrange(*args)
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.values = 0
+
+    def integers(self, *args, **kwargs):
+        self.values += 1  # the sampler draws scalars only
+        return self.rng.integers(*args, **kwargs)
+
+    def choice(self, a, size, replace):
+        self.values += size
+        return self.rng.choice(a, size, replace=replace)
 
 
 @pytest.mark.parametrize("n", [1_000, 200_000])
 def test_work_per_batch_does_not_depend_on_n(n):
     lengths = np.random.default_rng(2).integers(1, 641, n)
     sampler = UltraDuperBigBrainBatchSampler(lengths, 64, 10)
-    rng = CountingRandom(0)
+    rng = CountingGenerator(0)
     batches = sampler._batches(rng)
     for _ in range(5):
-        before = rng.calls
+        before = rng.values
         b = next(batches)
-        # seed sample + window offset, then a bucket rank and a slot per index taken:
-        # O(batch_size) random draws, none proportional to n
-        assert rng.calls - before == 2 + 2 * len(b)
+        # seed sample + window offset, then one rank per index taken: nothing in n
+        assert rng.values - before == 2 + len(b)
 
 
-def test_fenwick_matches_prefix_sums():
+def test_locate_matches_naive_walk():
     rng = np.random.default_rng(0)
-    counts = rng.integers(0, 5, 37).tolist()
-    tree = _Fenwick(counts)
-    for _ in range(50):
-        i = int(rng.integers(37))
-        if counts[i]:
-            tree.add(i, -1)
-            counts[i] -= 1
-        prefix = np.concatenate(([0], np.cumsum(counts)))
-        assert [tree.prefix(j) for j in range(38)] == prefix.tolist()
-        for u in range(int(prefix[-1])):
-            assert tree.find(u) == int(np.searchsorted(prefix, u, side="right") - 1)
+    counts = rng.integers(0, 5, 37)
+    counts[[0, -1]] = 0  # empty buckets at both ends must be skipped
+    owner = np.repeat(np.arange(37), counts)  # the bucket of each rank, by enumeration
+    slot = np.concatenate([np.arange(c) for c in counts])
+    ranks = rng.permutation(int(counts.sum()))
+    bucket, offset = _locate(counts, ranks)
+    assert bucket.tolist() == owner[ranks].tolist()
+    assert offset.tolist() == slot[ranks].tolist()
+
+
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=12), st.data())
+@settings(max_examples=200, deadline=None)
+def test_remove_keeps_exactly_the_untaken_items_in_each_bucket(sizes, data):
+    counts = np.array(sizes)
+    starts = np.cumsum(counts) - counts
+    pool = np.arange(1000, 1000 + int(counts.sum()))
+    left = [set(pool[s : s + c].tolist()) for s, c in zip(starts, counts, strict=True)]
+    while counts.sum():
+        # reference: delete a random subset of a random window of buckets from Python sets
+        lo = data.draw(st.integers(0, len(counts) - 1))
+        hi = data.draw(st.integers(lo + 1, len(counts)))
+        view = counts[lo:hi]
+        if not view.sum():
+            continue
+        ranks = np.array(
+            data.draw(st.lists(st.integers(0, int(view.sum()) - 1), min_size=1, unique=True))
+        )
+        bucket, offset = _locate(view, ranks)
+        pos = starts[lo:hi][bucket] + offset
+        for b, value in zip(bucket, pool[pos], strict=True):
+            left[lo + b].remove(int(value))
+        _remove(pool, starts[lo:hi], view, bucket, pos)
+        for j, (s, c) in enumerate(zip(starts, counts, strict=True)):
+            assert c == len(left[j])
+            assert set(pool[s : s + c].tolist()) == left[j]
+
+
+def test_first_batch_is_a_uniform_subset_and_window_choice_follows_counts():
+    # one window (k = 640): every index is in the first batch with probability 5 / 20
+    lengths = np.arange(1, 21)
+    sampler = UltraDuperBigBrainBatchSampler(lengths, 5, 640, seed=1)
+    hits = np.zeros(20)
+    epochs = 4000
+    for e in range(epochs):
+        sampler.set_epoch(e)
+        hits[next(iter(sampler))] += 1
+    # binomial(4000, 0.25): sd 27, so +-5 sd is +-137
+    np.testing.assert_allclose(hits, epochs * 0.25, atol=137)
+    # k = 0, 900 samples of length 1 and 100 of length 2: the first batch holds a uniformly
+    # random remaining sample's length, so it is length 2 with probability 0.1
+    lengths = np.repeat([1, 2], [900, 100])
+    sampler = UltraDuperBigBrainBatchSampler(lengths, 8, 0, seed=2)
+    longer = 0
+    for e in range(epochs):
+        sampler.set_epoch(e)
+        longer += int(lengths[next(iter(sampler))[0]] == 2)
+    assert abs(longer - 0.1 * epochs) <= 5 * (epochs * 0.1 * 0.9) ** 0.5
+
+
+def test_iterators_of_two_epochs_do_not_share_state():
+    lengths = np.random.default_rng(10).integers(1, 50, 3000)
+    sampler = UltraDuperBigBrainBatchSampler(lengths, 16, 3, seed=5)
+    reference = [epoch(sampler) for _ in range(2)]
+    sampler.set_epoch(0)
+    a, b = iter(sampler), iter(sampler)
+    interleaved = [[], []]
+    for pair in zip(a, b, strict=False):  # both run in lock-step on one sampler
+        interleaved[0].append(pair[0])
+        interleaved[1].append(pair[1])
+    interleaved[0] += list(a)
+    interleaved[1] += list(b)
+    assert interleaved == reference
 
 
 def test_hash_map_holds_indices_by_length():
@@ -138,6 +206,10 @@ def test_rejects_bad_arguments():
         UltraDuperBigBrainBatchSampler(np.array([]), 4, 1)
     with pytest.raises(ValueError, match="65536"):
         UltraDuperBigBrainBatchSampler(np.array([70_000]), 4, 1)
+    with pytest.raises(ValueError, match="seed >= 0"):
+        UltraDuperBigBrainBatchSampler(np.array([1, 2]), 4, 1, seed=-1)
+    with pytest.raises(ValueError, match="epoch >= 0"):
+        UltraDuperBigBrainBatchSampler(np.array([1, 2]), 4, 1).set_epoch(-1)
 
 
 @pytest.mark.parametrize(
@@ -217,18 +289,23 @@ def test_row_longer_than_budget_forms_its_own_batch():
     batches = epoch(UltraDuperBigBrainBatchSampler(lengths, None, 200, max_tokens=50))
     assert [0] in batches
     assert sorted(i for b in batches for i in b) == list(range(5))
+    # every row over budget: one batch per row
+    lengths = np.array([60, 70, 80, 61])
+    batches = epoch(UltraDuperBigBrainBatchSampler(lengths, None, 30, max_tokens=50))
+    assert sorted(batches) == [[0], [1], [2], [3]]
 
 
-def test_token_budget_work_per_batch_is_rows_plus_one_rejection():
+def test_token_budget_draws_at_most_twice_the_rows_taken():
     lengths = np.random.default_rng(8).integers(1, 641, 200_000)
     sampler = UltraDuperBigBrainBatchSampler(lengths, None, 10, max_tokens=20_000)
-    rng = CountingRandom(0)
+    rng = CountingGenerator(0)
     batches = sampler._batches(rng)
-    for _ in range(5):
-        before = rng.calls
+    for _ in range(20):
+        before = rng.values
         b = next(batches)
-        # seed + window, two draws per row taken, at most one put-back row: nothing in n
-        assert 2 + 2 * len(b) <= rng.calls - before <= 4 + 2 * len(b)
+        # seed + window, one rank per row taken, then rows drawn in vain: at most one chunk
+        # no longer than the rows taken, in practice one row (nothing in n)
+        assert 2 + len(b) <= rng.values - before <= 2 + 2 * len(b)
 
 
 def test_token_budget_rejects_bad_arguments():
