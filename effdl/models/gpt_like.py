@@ -79,9 +79,10 @@ class GPTLikeConfig:
     # dense elsewhere; "flex" / "dense" force one (see effdl.ops.document_attention).
     doc_attention: str = "auto"
     # cuDNN's fused attention builds an execution plan for every new (batch, length) shape:
-    # ~60 ms per new shape on an H100 against ~5 ms for the forward itself (measured,
-    # reports/results/task2/), so with variable-shape batches it is left out by default.
-    # It is ~10% faster than flash/efficient attention once planned: worth it for fixed shapes.
+    # ~60 ms per new shape on an H100 against ~5 ms for the forward itself (measured:
+    # reports/results/task2_session8/cudnn_new_shape_probe.log), so with variable-shape
+    # batches it is left out by default. Once planned it is ~10% faster than flash/efficient
+    # attention (same log): worth it for fixed shapes.
     cudnn_attention: bool = False
     # Right padding + causal attention needs no key-padding mask (see GPTLikeModel).
     mask_padding_keys: bool = False
