@@ -13,7 +13,6 @@ real tokens at the throughput of full dense (batch x 640) batches measured in th
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import replace
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from effdl.amp.precision import PRECISION_NAMES, forward_precision
 from effdl.cli import (
     UsageError,
     add_text_corpus_args,
@@ -58,7 +58,7 @@ def parse_args():
     p.add_argument("--overflow", choices=["truncate", "drop"], default="truncate")
     p.add_argument(
         "--dtype",
-        choices=["bf16", "fp16", "tf32", "fp32"],
+        choices=PRECISION_NAMES,
         default=None,
         help="default bf16 autocast on CUDA, fp32 on CPU",
     )
@@ -75,15 +75,6 @@ def parse_args():
         "--workers", type=int, default=None, help="DataLoader workers (default 6 on CUDA, 0 on CPU)"
     )
     return p.parse_args()
-
-
-def precision(device: torch.device, name: str):
-    """(autocast context factory, name) for the requested precision."""
-    torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
-    if low is None:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=low)
 
 
 def run_epoch(model, loader, device, autocast, max_batches, warmup_batches):
@@ -159,7 +150,7 @@ def main() -> None:
             vocab_size=len(vocab), n_layers=args.n_layers, max_length=args.max_length
         )
     model = GPTLikeModel(cfg).to(device).eval()
-    autocast = precision(device, dtype)
+    autocast = forward_precision(device, dtype)
 
     # The yardstick: full dense batches (no padding), same weights, same precision. A fixed
     # shape lets cuDNN attention amortise its per-shape plan, so the ideal takes the faster of

@@ -12,13 +12,13 @@ last steps, so the pipelines compare at equal useful work rather than equal step
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 
 import torch
 from tqdm import tqdm
 
+from effdl.amp.precision import forward_precision
 from effdl.cli import (
     UsageError,
     add_text_corpus_args,
@@ -35,8 +35,6 @@ from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel, matmul_flops_per_
 from effdl.models.lm_objective import LMInputs, lm_cross_entropy, lm_inputs, next_token_labels
 from effdl.profiling.timing import peak_memory
 from effdl.results import RunLog
-
-LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args():
@@ -86,9 +84,7 @@ def main() -> None:
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if min(batch_size, max_length, budget, max_vocab) < 2 or min(args.ks) < 0:
         raise UsageError("sizes must be >= 2 and --ks non-negative")
-    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-    low = LOW_PRECISION.get(dtype)
-    autocast = (lambda: torch.autocast(device.type, dtype=low)) if low else contextlib.nullcontext
+    autocast = forward_precision(device, dtype)
 
     try:
         corpus, vocab, source = prepare_wikitext_ids(

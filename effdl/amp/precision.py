@@ -99,3 +99,21 @@ def build_precision(
     prec = Precision(spec, autocast, scaler)
     prec._last_scale = init_scale if spec.scaler == "torch" else 1.0
     return prec
+
+
+PRECISION_NAMES = ("bf16", "fp16", "tf32", "fp32")
+
+
+def forward_precision(device: torch.device, name: str) -> Callable[[], AbstractContextManager]:
+    """A factory of the context for a forward pass in precision ``name`` on ``device``.
+
+    ``"bf16"``/``"fp16"``: ``torch.autocast`` to that dtype; ``"tf32"``/``"fp32"``: no autocast,
+    with TF32 matmuls switched on for ``"tf32"`` and off otherwise (a process-wide setting).
+    """
+    if name not in PRECISION_NAMES:
+        raise ValueError(f"precision must be one of {PRECISION_NAMES}, got {name!r}")
+    torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+    if low is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=low)

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from effdl.amp import DynamicGradScaler, StaticGradScaler
-from effdl.amp.precision import PrecisionSpec, build_precision
+from effdl.amp.precision import PrecisionSpec, build_precision, forward_precision
 
 CPU = torch.device("cpu")
 
@@ -51,3 +51,30 @@ def test_unknown_names_are_rejected():
         PrecisionSpec("apex", "none")
     with pytest.raises(ValueError, match="scaler"):
         PrecisionSpec("none", "loss")
+
+
+@pytest.mark.parametrize(
+    "name, dtype, tf32",
+    [("bf16", torch.bfloat16, False), ("fp16", torch.float16, False), ("tf32", None, True),
+     ("fp32", None, False)],
+)  # fmt: skip
+def test_forward_precision_matches_torch_autocast_and_sets_tf32(name, dtype, tf32):
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        ctx = forward_precision(torch.device("cpu"), name)
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32
+        x = torch.randn(4, 4)
+        with ctx():
+            out = x @ x
+        if dtype is None:
+            assert out.dtype == torch.float32
+        else:
+            with torch.autocast("cpu", dtype=dtype):
+                assert out.dtype == (x @ x).dtype
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_forward_precision_rejects_unknown_names():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        forward_precision(torch.device("cpu"), "int8")
