@@ -60,11 +60,8 @@ def _announce(backend: Backend, device_type: str, why: str = "") -> None:
 def select_backend(
     device: torch.device | str, requested: str = "auto", dropout: float = 0.0
 ) -> Backend:
-    """``"auto"``: FlexAttention on CUDA when available and gradients are off, else dense.
+    """``"auto"``: FlexAttention on CUDA when this torch has it, else dense.
 
-    The flex path's gradients failed their CUDA test against the dense path (torch 2.11, H100;
-    issue 4): until that is fixed, ``"auto"`` takes it only for forward passes without autograd
-    (inference, the mock epoch), where its output is tested against per-document attention.
     ``"flex"`` or ``"dense"`` force a path (``"flex"`` raises if this torch lacks it).
     ``dropout`` is the attention-weight dropout the caller will apply (0 in eval): FlexAttention
     has none, so ``"auto"`` then takes the dense path and ``"flex"`` raises ``ValueError``.
@@ -84,8 +81,6 @@ def select_backend(
         backend: Backend = requested  # type: ignore[assignment]
     elif device.type == "cuda" and flex_available() and dropout > 0:
         backend, why = "dense", f"attention dropout {dropout} in training: FlexAttention has none"
-    elif device.type == "cuda" and flex_available() and torch.is_grad_enabled():
-        backend, why = "dense", "gradients needed: the flex backward is not verified on CUDA"
     else:
         backend = "flex" if device.type == "cuda" and flex_available() else "dense"
     _announce(backend, device.type, why)
@@ -110,9 +105,11 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Bool (..., rows, cols) -> (count per row, column indices of the set entries first).
 
     The layout ``create_block_mask`` produces: a stable descending sort puts the set columns
-    first, in ascending order, followed by the unset ones.
+    first, in ascending order, followed by the unset ones. Both come back contiguous: the
+    compiled FlexAttention kernels index them as row-major whatever their strides say (a
+    transposed view gave wrong key/value gradients, CUDA only).
     """
-    as_int = blocks.to(torch.int32)
+    as_int = blocks.to(torch.int32).contiguous()
     count = as_int.sum(-1, dtype=torch.int32)
     indices = torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
     return count, indices

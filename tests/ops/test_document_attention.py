@@ -85,6 +85,8 @@ def assert_same_block_mask(mine, ref):
     assert tuple(mine.BLOCK_SIZE) == tuple(ref.BLOCK_SIZE)
     for name in BLOCK_FIELDS:
         assert torch.equal(getattr(mine, name), getattr(ref, name)), name
+        # The compiled kernels read the lists as row-major: a transposed view broke dK/dV.
+        assert getattr(mine, name).is_contiguous(), name
 
 
 def mha_blocked_mask(doc_ids, heads):
@@ -276,16 +278,11 @@ def test_backend_with_attention_dropout(caplog):
     # Device objects only: no CUDA needed to check the choice.
     da._announce.cache_clear()
     with caplog.at_level(logging.INFO, logger=da.__name__):
-        with torch.no_grad():
-            assert select_backend("cuda") == ("flex" if flex_available() else "dense")
+        assert select_backend("cuda") == ("flex" if flex_available() else "dense")
         assert select_backend("cuda", dropout=0.1) == "dense"
         assert select_backend("cuda", dropout=0.1) == "dense"
     assert sum("attention dropout 0.1" in r.message for r in caplog.records) == 1
     assert select_backend("cuda", "dense", dropout=0.1) == "dense"
-    if flex_available():  # with autograd on, "auto" avoids the unverified flex backward
-        with caplog.at_level(logging.INFO, logger=da.__name__):
-            assert select_backend("cuda") == "dense"
-        assert any("flex backward" in r.message for r in caplog.records)
     with pytest.raises(ValueError, match="no attention dropout"):
         select_backend("cuda", "flex", dropout=0.1)
 
@@ -303,9 +300,10 @@ def test_flex_on_cuda_matches_dense(dtype, seq_len):
     ref = document_attention(q, k, v, document_mask(doc_ids, backend="dense"))
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    (g_flex,) = torch.autograd.grad(out.float().square().sum(), v)
-    (g_dense,) = torch.autograd.grad(ref.float().square().sum(), v)
-    torch.testing.assert_close(g_flex, g_dense, rtol=10 * tol, atol=10 * tol)
+    g_flex = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    g_dense = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    for name, a, b in zip("qkv", g_flex, g_dense, strict=True):
+        torch.testing.assert_close(a, b, rtol=10 * tol, atol=10 * tol, msg=f"d{name}")
 
 
 @pytest.mark.gpu
