@@ -231,6 +231,7 @@ def main() -> None:
             seed=args.seed,
             num_workers=args.workers,
             pin_memory=device.type == "cuda",
+            attention_block_size=model.loader_block_size(device),
             max_tokens=max_tokens,
         )
         times, epoch_s, real, slots, widths, peak = run_epoch(

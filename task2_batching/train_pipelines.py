@@ -147,6 +147,7 @@ def main() -> None:
             seed=args.seed,
             num_workers=workers,
             pin_memory=device.type == "cuda",
+            attention_block_size=model.loader_block_size(device),
         )
         real = slots = 0
         losses = []

@@ -23,8 +23,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 IGNORE_INDEX = -100
 PAD_DOC_ID = -1
+
+if TYPE_CHECKING:
+    from effdl.ops.document_attention import DocumentBlocks
 
 OverflowPolicy = Literal["split", "truncate", "drop"]
 OversizePolicy = Literal["error", "split", "drop"]
@@ -81,7 +84,8 @@ class PackedBatch:
 
     ``cu_seqlens`` (int32) indexes the flattened ``(B*L,)`` token stream, as varlen attention
     kernels expect; ``max_seqlen`` is the longest segment. ``n_real_tokens`` counts non-padding
-    tokens and ``n_label_tokens`` the labels that are not ``-100``.
+    tokens and ``n_label_tokens`` the labels that are not ``-100``. ``blocks``: FlexAttention
+    block lists of ``doc_ids`` when the collate built them (``attention_block_size``).
     """
 
     input_ids: torch.Tensor
@@ -92,27 +96,24 @@ class PackedBatch:
     max_seqlen: int
     n_real_tokens: int
     n_label_tokens: int
+    blocks: DocumentBlocks | None = None
 
-    _TENSORS = ("input_ids", "labels", "doc_ids", "position_ids", "cu_seqlens")
+    _DEVICE_FIELDS = ("input_ids", "labels", "doc_ids", "position_ids", "cu_seqlens", "blocks")
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """A copy with every tensor on ``device``."""
-        moved = {k: getattr(self, k).to(device, non_blocking=non_blocking) for k in self._TENSORS}
-        return PackedBatch(
-            **moved,
-            max_seqlen=self.max_seqlen,
-            n_real_tokens=self.n_real_tokens,
-            n_label_tokens=self.n_label_tokens,
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
         """Called by ``DataLoader(pin_memory=True)``."""
-        pinned = {k: getattr(self, k).pin_memory() for k in self._TENSORS}
-        return PackedBatch(
-            **pinned,
-            max_seqlen=self.max_seqlen,
-            n_real_tokens=self.n_real_tokens,
-            n_label_tokens=self.n_label_tokens,
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> PackedBatch:
+        return replace(
+            self,
+            **{
+                k: fn(getattr(self, k)) for k in self._DEVICE_FIELDS if getattr(self, k) is not None
+            },
         )
 
 
@@ -120,12 +121,15 @@ def collate_packed(
     rows: Sequence[dict[str, torch.Tensor]],
     n_rows: int | None = None,
     pad_id: int | None = None,
+    attention_block_size: int | None = None,
 ) -> PackedBatch:
     """Stack rows from :func:`pack_row` (all of one length) into a :class:`PackedBatch`.
 
     With ``n_rows`` (and ``pad_id``), a short batch is topped up with all-padding rows, so
     every batch has the same shape: compiled kernels (FlexAttention) would otherwise compile
-    again for a final partial batch.
+    again for a final partial batch. ``attention_block_size``: also build the FlexAttention
+    block lists of ``doc_ids`` (:func:`effdl.ops.document_attention.document_blocks`), here
+    on the CPU, where DataLoader workers take that work off the training loop.
     """
     if not rows:
         raise ValueError("collate_packed needs at least one row")
@@ -138,6 +142,11 @@ def collate_packed(
     global_cu = torch.cat([cus[0]] + [c[1:] + i * seq_len for i, c in enumerate(cus) if i > 0])
     doc_ids = torch.stack([r["doc_ids"] for r in rows])
     labels = torch.stack([r["labels"] for r in rows])
+    blocks = None
+    if attention_block_size is not None:
+        from effdl.ops.document_attention import document_blocks
+
+        blocks = document_blocks(doc_ids, attention_block_size)
     return PackedBatch(
         input_ids=torch.stack([r["input_ids"] for r in rows]),
         labels=labels,
@@ -147,6 +156,7 @@ def collate_packed(
         max_seqlen=int(torch.diff(global_cu).max()),
         n_real_tokens=int((doc_ids != PAD_DOC_ID).sum()),
         n_label_tokens=int((labels != IGNORE_INDEX).sum()),
+        blocks=blocks,
     )
 
 
@@ -586,12 +596,16 @@ class BinDataset(Dataset):
 
 
 def collate_bins(
-    batch: Sequence[Sequence[np.ndarray]], seq_len: int, pad_id: int, n_rows: int | None = None
+    batch: Sequence[Sequence[np.ndarray]],
+    seq_len: int,
+    pad_id: int,
+    n_rows: int | None = None,
+    attention_block_size: int | None = None,
 ) -> PackedBatch:
     """Collate bins (each a list of token arrays, total <= ``seq_len``) into a PackedBatch
-    (topped up to ``n_rows`` rows as in :func:`collate_packed`)."""
+    (topped up to ``n_rows`` rows, block lists as in :func:`collate_packed`)."""
     rows = [pack_row(segments, seq_len, pad_id) for segments in batch]
-    return collate_packed(rows, n_rows, pad_id)
+    return collate_packed(rows, n_rows, pad_id, attention_block_size)
 
 
 def packed_loader(
@@ -606,11 +620,14 @@ def packed_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     static_shape: bool = True,
+    attention_block_size: int | None = None,
 ) -> DataLoader:
     """A DataLoader of :class:`PackedBatch` (``batch_size`` rows of ``seq_len`` tokens).
 
     ``static_shape``: top up short batches (the last one; with workers, each worker's last)
     with all-padding rows, so every batch is ``(batch_size, seq_len)``.
+    ``attention_block_size``: batches also carry FlexAttention block lists (``blocks``),
+    built in the workers (use it when the model runs FlexAttention, e.g. 128).
 
     ``"concat"``: :class:`SequencedDataset` (split policy: documents may be cut at row ends).
     ``"ffd"``/``"bfd"``: bins from First-/Best-Fit Decreasing over ``docs``' lengths (taken from
@@ -624,7 +641,12 @@ def packed_loader(
         return DataLoader(
             ds,
             batch_size=batch_size,
-            collate_fn=functools.partial(collate_packed, n_rows=n_rows, pad_id=pad_id),
+            collate_fn=functools.partial(
+                collate_packed,
+                n_rows=n_rows,
+                pad_id=pad_id,
+                attention_block_size=attention_block_size,
+            ),
             num_workers=num_workers,
             pin_memory=pin_memory,
         )
@@ -641,7 +663,13 @@ def packed_loader(
         batch_size=batch_size,
         shuffle=shuffle,
         generator=generator,
-        collate_fn=functools.partial(collate_bins, seq_len=seq_len, pad_id=pad_id, n_rows=n_rows),
+        collate_fn=functools.partial(
+            collate_bins,
+            seq_len=seq_len,
+            pad_id=pad_id,
+            n_rows=n_rows,
+            attention_block_size=attention_block_size,
+        ),
         num_workers=num_workers,
         pin_memory=pin_memory,
     )

@@ -281,6 +281,7 @@ def make_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     max_tokens: int | None = None,
+    attention_block_size: int | None = None,
 ) -> DataLoader:
     """A DataLoader for one batching pipeline over ``corpus`` (already cut to ``max_length``).
 
@@ -291,7 +292,8 @@ def make_loader(
     drops the row cap). These yield :class:`~effdl.data.padding.Batch`.
     ``"packed_concat"`` / ``"packed_bfd"``: rows of ``max_length`` tokens from
     :func:`effdl.data.packing.packed_loader` (streaming concatenation / Best-Fit Decreasing),
-    yielding its ``PackedBatch`` (with ``doc_ids`` and restarting ``position_ids``).
+    yielding its ``PackedBatch`` (with ``doc_ids`` and restarting ``position_ids``, and with
+    ``attention_block_size`` FlexAttention block lists built in the workers).
     """
     if pipeline != "ultra" and (max_tokens is not None or batch_size is None):
         raise ValueError(
@@ -310,6 +312,7 @@ def make_loader(
             method=method,
             shuffle=True,
             seed=seed,
+            attention_block_size=attention_block_size,
             **common,
         )
     if pipeline == "ultra":

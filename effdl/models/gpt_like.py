@@ -27,7 +27,13 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from effdl.ops.document_attention import DocumentMultiheadAttention, document_mask, select_backend
+from effdl.ops.document_attention import (
+    BLOCK_SIZE,
+    DocumentBlocks,
+    DocumentMultiheadAttention,
+    document_mask,
+    select_backend,
+)
 
 
 class PositionalEncoding(nn.Module):
@@ -136,13 +142,16 @@ class GPTLikeModel(nn.Module):
         padding_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
+        doc_blocks: DocumentBlocks | None = None,
     ) -> torch.Tensor:
         """Hidden states (B, T, d_model) before the LM head (what seed 000's mock times).
 
         ``doc_ids`` (B, T) int, for packed rows: a token attends only to earlier tokens of its
         own document; pass ``position_ids`` restarting per document with it, and no
         ``padding_mask`` (padding is a document of its own). The document mask is built once
-        per batch (backend: :meth:`doc_attention_backend`) and shared by all layers.
+        per batch (backend: :meth:`doc_attention_backend`) and shared by all layers;
+        ``doc_blocks`` (FlexAttention block lists of ``doc_ids`` built ahead, e.g. by the
+        DataLoader) saves building them here.
         """
         t = input_ids.shape[1]
         x = self.pos(self.embed(input_ids), position_ids)
@@ -151,7 +160,8 @@ class GPTLikeModel(nn.Module):
         else:
             if padding_mask is not None:
                 raise ValueError("pass either padding_mask or doc_ids (padding has doc id -1)")
-            mask = document_mask(doc_ids, self.doc_attention_backend(doc_ids.device))
+            backend = self.doc_attention_backend(doc_ids.device)
+            mask = document_mask(doc_ids, backend, blocks=doc_blocks)
         memory = x.new_zeros(x.shape[0], 1, x.shape[2])
         # An explicit tgt_is_causal keeps nn.TransformerDecoder from inspecting the mask (it
         # would compare a tensor mask with a causal one); a DocumentMask then reaches each
@@ -180,14 +190,23 @@ class GPTLikeModel(nn.Module):
         dropout = self.cfg.dropout if self.training else 0.0
         return select_backend(device, self.cfg.doc_attention, dropout)
 
+    def loader_block_size(self, device: torch.device) -> int | None:
+        """The ``attention_block_size`` a packed loader should build block lists for (see
+        ``effdl.data.packing.packed_loader``): FlexAttention's block size when packed rows
+        take the flex path now, else ``None`` (the dense path does not use them)."""
+        return BLOCK_SIZE if self.doc_attention_backend(device) == "flex" else None
+
     def forward(
         self,
         input_ids: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
+        doc_blocks: DocumentBlocks | None = None,
     ) -> torch.Tensor:
-        return self.lm_head(self.features(input_ids, padding_mask, position_ids, doc_ids))
+        return self.lm_head(
+            self.features(input_ids, padding_mask, position_ids, doc_ids, doc_blocks)
+        )
 
 
 def matmul_flops_per_token(cfg: GPTLikeConfig, seq_len: int, lm_head: bool = True) -> float:

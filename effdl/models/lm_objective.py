@@ -72,9 +72,12 @@ class LMAccuracy(nn.Module):
 
 @dataclass
 class LMInputs:
-    """What one LM step needs from a data batch: model keyword arguments and shifted labels."""
+    """What one LM step needs from a data batch: model keyword arguments and shifted labels.
 
-    model_kwargs: dict[str, torch.Tensor]
+    ``model_kwargs`` values are tensors, or anything else with ``.to(device, non_blocking)``
+    (a packed batch's ``DocumentBlocks``)."""
+
+    model_kwargs: dict[str, Any]
     labels: torch.Tensor
     n_real_tokens: int
     n_slots: int
@@ -93,12 +96,15 @@ def lm_inputs(batch: Any) -> LMInputs:
     """Model inputs and labels of a padded :class:`~effdl.data.padding.Batch` or a packed batch.
 
     A packed batch (anything with ``doc_ids``, e.g. ``effdl.data.packing.PackedBatch``) brings
-    its own labels and position ids; a padded batch gets :func:`next_token_labels`.
+    its own labels and position ids (and its FlexAttention block lists, when the collate built
+    them); a padded batch gets :func:`next_token_labels`.
     Call it on the CPU batch (the token counts then need no device sync), then ``.to(device)``.
     """
     ids = batch.input_ids
     if hasattr(batch, "doc_ids"):
         kwargs = {"input_ids": ids, "position_ids": batch.position_ids, "doc_ids": batch.doc_ids}
+        if getattr(batch, "blocks", None) is not None:
+            kwargs["doc_blocks"] = batch.blocks
         return LMInputs(kwargs, batch.labels, int(batch.n_real_tokens), ids.numel())
     kwargs = {"input_ids": ids, "padding_mask": batch.padding_mask}
     labels = next_token_labels(ids, batch.padding_mask)

@@ -376,6 +376,19 @@ def test_packed_loader_delivers_every_token_once(method):
         packed_loader(docs, 16, 2, pad_id=0, method="wfd")
 
 
+@pytest.mark.parametrize("method", ["concat", "bfd"])
+def test_packed_loader_builds_attention_block_lists_in_the_workers(method):
+    from effdl.ops.document_attention import document_blocks
+
+    docs = DocsWithLengths(make_docs([7, 12, 3, 25, 9, 1, 16, 4]))
+    loader = packed_loader(docs, 16, 2, pad_id=0, method=method, attention_block_size=4)
+    for batch in loader:
+        assert torch.equal(batch.blocks.data, document_blocks(batch.doc_ids, 4).data)
+        moved = batch.to("cpu")
+        assert moved.blocks.block_size == 4 and torch.equal(moved.blocks.data, batch.blocks.data)
+    assert packed_loader(docs, 16, 2, pad_id=0, method=method).__iter__().__next__().blocks is None
+
+
 def test_collate_tops_up_a_short_batch_with_padding_rows():
     rows = [pack_row([np.arange(1, 4)], 6, pad_id=0)]
     batch = collate_packed(rows, n_rows=3, pad_id=0)

@@ -15,7 +15,8 @@ from effdl.models.gpt_like import (
     PositionalEncoding,
     matmul_flops_per_token,
 )
-from effdl.models.lm_objective import LMCrossEntropyLoss
+from effdl.models.lm_objective import LMCrossEntropyLoss, lm_inputs
+from effdl.ops import document_attention as document_attention_module
 from effdl.ops.document_attention import DocumentMultiheadAttention, flex_available
 
 TINY = GPTLikeConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_length=16)
@@ -298,9 +299,11 @@ def test_packed_training_with_dropout_takes_the_dense_path():
     model = GPTLikeModel(replace(PACKED, dropout=0.1))
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
     assert model.train().doc_attention_backend(cuda) == "dense"
+    assert model.loader_block_size(cuda) is None  # the dense path uses no block lists
+    assert model.loader_block_size(torch.device("cpu")) is None
     if flex_available():
-        with torch.no_grad():
-            assert model.eval().doc_attention_backend(cuda) == "flex"
+        assert model.eval().doc_attention_backend(cuda) == "flex"
+        assert model.loader_block_size(cuda) == 128
     batch = packed_batch()
     kwargs = {"position_ids": batch.position_ids, "doc_ids": batch.doc_ids}
     with torch.no_grad():
@@ -328,6 +331,21 @@ def test_document_mask_built_once_and_shared_by_all_layers(monkeypatch, backend)
         model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
     assert len(built) == 1 and built[0].backend == backend
     assert len(seen) == PACKED.n_layers and all(m is built[0] for m in seen)
+
+
+@needs_flex
+def test_block_lists_from_the_loader_replace_building_them(monkeypatch):
+    model = GPTLikeModel(replace(PACKED, doc_attention="flex")).eval()
+    rng = np.random.default_rng(0)
+    docs = [[rng.integers(1, 50, n) for n in lens] for lens in PACKED_LAYOUTS]
+    batch = collate_packed([pack_row(row, 150, 0) for row in docs], attention_block_size=32)
+    inputs = lm_inputs(batch).model_kwargs
+    assert inputs["doc_blocks"] is batch.blocks
+    with torch.no_grad():  # eager FlexAttention on CPU is forward-only
+        want = model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
+        monkeypatch.setattr(document_attention_module, "document_blocks", None)  # must not run
+        got = model(**inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_input_errors():

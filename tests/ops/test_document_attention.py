@@ -12,6 +12,7 @@ from effdl.ops.document_attention import (
     DocumentMultiheadAttention,
     document_attention,
     document_block_mask,
+    document_blocks,
     document_mask,
     flex_available,
     select_backend,
@@ -162,6 +163,30 @@ def test_block_mask_equals_create_block_mask_for_any_ids():
     doc_ids = doc_ids.view(5, 200)
     doc_ids[0] = 4  # one document filling the row: full blocks left of the diagonal
     assert_same_block_mask(document_block_mask(doc_ids, 32), reference_block_mask(doc_ids, 32))
+
+
+@needs_flex
+def test_blocks_built_by_the_collate_drive_the_same_attention():
+    layouts = [[40, 3, 50], [100], [1, 1, 70], [33, 33]]
+    rows = [pack_row([np.ones(n, dtype=np.int64) for n in lens], 100, 0) for lens in layouts]
+    batch = collate_packed(rows, attention_block_size=16)
+    blocks = batch.blocks
+    assert (blocks.batch, blocks.seq_len, blocks.block_size) == (4, 100, 16)
+    assert blocks.data.dtype == torch.int32 and blocks.data.ndim == 1
+    assert_same_block_mask(
+        blocks.block_mask(batch.doc_ids), reference_block_mask(batch.doc_ids, 16)
+    )
+    q, k, v = qkv((4, 2, 100, 8), dtype=torch.float32, seed=2)
+    mask = document_mask(batch.doc_ids, "flex", blocks=blocks)
+    torch.testing.assert_close(
+        document_attention(q, k, v, mask),
+        per_document_reference(q, k, v, batch.doc_ids),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(ValueError, match="do not match these block lists"):
+        blocks.block_mask(batch.doc_ids[:2])
+    assert document_mask(batch.doc_ids, "dense", blocks=blocks).backend == "dense"
 
 
 @needs_flex
@@ -322,3 +347,12 @@ def test_cuda_block_mask_equals_create_block_mask_and_does_not_recompile():
         if graphs is None:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs  # a new doc_ids closure: no recompile
+
+
+@pytest.mark.gpu
+def test_blocks_built_on_the_cpu_equal_blocks_built_on_cuda():
+    doc_ids = random_packed_doc_ids(8, 640, max_doc=300, seed=5)
+    ahead = document_blocks(doc_ids, 128).pin_memory().to("cuda", non_blocking=True)
+    here = document_blocks(doc_ids.cuda(), 128)
+    assert torch.equal(ahead.data, here.data)
+    assert_same_block_mask(ahead.block_mask(doc_ids.cuda()), reference_block_mask(doc_ids, 128))
