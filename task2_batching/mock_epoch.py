@@ -13,6 +13,7 @@ real tokens at the throughput of full dense (batch x 640) batches measured in th
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import replace
 
@@ -78,7 +79,12 @@ def parse_args():
 
 
 def run_epoch(model, loader, device, autocast, max_batches, warmup_batches):
-    """Warm up on a few batches, then time each batch's forward over one full epoch."""
+    """Warm up on a few batches, then time each batch's forward over one full epoch.
+
+    Besides the per-batch GPU times it splits the epoch's wall time on the main thread:
+    ``first_batch_s`` (worker start-up until the first batch arrives), ``wait_s`` (later
+    waits for the DataLoader) and ``launch_s`` (host time to queue each forward).
+    """
     with torch.inference_mode(), autocast():
         for i, batch in enumerate(loader):
             if i >= warmup_batches:
@@ -87,11 +93,19 @@ def run_epoch(model, loader, device, autocast, max_batches, warmup_batches):
         timer = RegionTimer(device)
         real = slots = 0
         widths = []
+        waits, launches = [], []
         with peak_memory(device) as mem:
             start = time.perf_counter()
-            for i, batch in enumerate(tqdm(loader, desc="  epoch", unit="batch", leave=False)):
+            batches = iter(tqdm(loader, desc="  epoch", unit="batch", leave=False))
+            for i in itertools.count():
                 if max_batches is not None and i >= max_batches:
                     break
+                t0 = time.perf_counter()
+                batch = next(batches, None)
+                t1 = time.perf_counter()
+                if batch is None:
+                    break
+                waits.append(t1 - t0)
                 inputs = lm_inputs(batch)  # counts taken on the CPU batch: no device sync
                 real += inputs.n_real_tokens
                 slots += inputs.n_slots
@@ -100,9 +114,15 @@ def run_epoch(model, loader, device, autocast, max_batches, warmup_batches):
                 timer.start()
                 model.features(**inputs.model_kwargs)
                 timer.stop()
+                launches.append(time.perf_counter() - t1)
             times = timer.times()  # one synchronize
             epoch_s = time.perf_counter() - start
-    return times, epoch_s, real, slots, widths, mem.gib
+    host = {
+        "first_batch_s": waits[0],
+        "wait_s": float(np.sum(waits[1:])),
+        "launch_s": float(np.sum(launches)),
+    }
+    return times, epoch_s, real, slots, widths, mem.gib, host
 
 
 def main() -> None:
@@ -234,7 +254,7 @@ def main() -> None:
             attention_block_size=model.loader_block_size(device),
             max_tokens=max_tokens,
         )
-        times, epoch_s, real, slots, widths, peak = run_epoch(
+        times, epoch_s, real, slots, widths, peak, host = run_epoch(
             model, loader, device, autocast, args.max_batches, args.warmup_batches
         )
         stats = TimingStats.from_times(times)
@@ -253,6 +273,7 @@ def main() -> None:
             "ideal_s": ideal_s,
             "compute_over_ideal": compute_s / ideal_s,
             "epoch_over_ideal": epoch_s / ideal_s,
+            **host,
             "batch_s_percentiles": np.percentile(times, PERCENTILES).tolist(),
             "width_percentiles": np.percentile(widths, PERCENTILES).tolist(),
         }
@@ -265,6 +286,7 @@ def main() -> None:
                 "mean_ms": stats.mean * 1e3,
                 "max_ms": stats.max * 1e3,
                 "epoch_s": epoch_s,
+                "wait_s": host["first_batch_s"] + host["wait_s"],
                 "real_Mtok_s": real / epoch_s / 1e6,
                 "pad_%": 100 * (1 - real / slots),
                 "peak_GiB": peak,
