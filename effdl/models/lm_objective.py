@@ -98,7 +98,8 @@ def lm_inputs(batch: Any) -> LMInputs:
     A packed batch (anything with ``doc_ids``, e.g. ``effdl.data.packing.PackedBatch``) brings
     its own labels and position ids (and its FlexAttention block lists, when the collate built
     them); a padded batch gets :func:`next_token_labels`.
-    Call it on the CPU batch (the token counts then need no device sync), then ``.to(device)``.
+    Call it on the CPU batch (the token counts then need no device sync), then ``.to(device)``;
+    labels made here from a pinned batch are pinned too, so that copy stays asynchronous.
     """
     ids = batch.input_ids
     if hasattr(batch, "doc_ids"):
@@ -108,4 +109,8 @@ def lm_inputs(batch: Any) -> LMInputs:
         return LMInputs(kwargs, batch.labels, int(batch.n_real_tokens), ids.numel())
     kwargs = {"input_ids": ids, "padding_mask": batch.padding_mask}
     labels = next_token_labels(ids, batch.padding_mask)
+    if ids.is_pinned():
+        # A pageable source makes .to(cuda, non_blocking=True) wait for the GPU to drain its
+        # queue first: the training loop would stall on every batch (seen on an H100).
+        labels = labels.pin_memory()
     return LMInputs(kwargs, labels, int(batch.lengths.sum()), ids.numel())

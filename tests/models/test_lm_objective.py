@@ -95,6 +95,18 @@ def test_lm_inputs_of_a_padded_batch():
     assert torch.equal(moved.labels, inputs.labels)
 
 
+@pytest.mark.gpu
+def test_lm_inputs_of_a_pinned_batch_has_pinned_labels():
+    # Pageable labels would make .to(cuda, non_blocking=True) wait for the GPU's queue.
+    import numpy as np
+
+    from effdl.data.padding import pad_batch
+
+    batch = pad_batch([np.array([3, 4, 5], np.int32), np.array([6], np.int32)])
+    assert not lm_inputs(batch).labels.is_pinned()
+    assert lm_inputs(batch.pin_memory()).labels.is_pinned()
+
+
 def test_lm_inputs_of_a_packed_batch_uses_its_labels():
     from types import SimpleNamespace
 
