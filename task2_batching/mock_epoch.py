@@ -8,7 +8,7 @@ Every batch's forward is timed with CUDA events (effdl RegionTimer); the "ideal"
 real tokens at the throughput of full dense (batch x 640) batches measured in the same run.
 
     python task2_batching/mock_epoch.py --quick                   # CPU smoke run, tiny model
-    python task2_batching/mock_epoch.py --device cuda --cache runs/task2/wt103_synth.npz
+    python task2_batching/mock_epoch.py --device cuda --cache runs/cache/wt103_full.npz
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ loading included, one synchronize at the end), peak GPU memory, steps, and the m
 last steps, so the pipelines compare at equal useful work rather than equal step counts.
 
     python task2_batching/train_pipelines.py --quick            # CPU smoke run, tiny model
-    python task2_batching/train_pipelines.py --device cuda --cache runs/cache/wt103_synth.npz
+    python task2_batching/train_pipelines.py --device cuda --cache runs/cache/wt103_v32k.npz
 """
 
 from __future__ import annotations

@@ -378,22 +378,35 @@ def cached_basic_english(
     min_freq: int = 1,
     max_size: int | None = None,
     workers: int | None = None,
+    source: str | None = None,
 ) -> tuple[TokenizedCorpus, Vocab, bool]:
     """:func:`fit_basic_english` with an on-disk cache; returns (corpus, vocab, cache_hit).
 
     ``cache`` names an ``.npz`` (ids + offsets); the vocabulary goes beside it as
-    ``<stem>.vocab.json``. On a hit nothing is read or tokenized (``load_lines`` is not
-    called). The cache does not record its source or options: name it after them.
+    ``<stem>.vocab.json`` and the options it was built with (``source``, ``min_freq``,
+    ``max_size``) as ``<stem>.options.json``. On a hit nothing is read or tokenized
+    (``load_lines`` is not called); a cache built with other options raises
+    :class:`CorpusFormatError` (a different vocabulary would silently change the model), and
+    one without recorded options is rebuilt.
     """
+    options = {"source": source, "min_freq": min_freq, "max_size": max_size}
     if cache is not None:
         npz = Path(cache)
         vocab_path = npz.with_name(npz.stem + ".vocab.json")
-        if npz.is_file() and vocab_path.is_file():
+        options_path = npz.with_name(npz.stem + ".options.json")
+        if npz.is_file() and vocab_path.is_file() and options_path.is_file():
+            built_with = json.loads(options_path.read_text())
+            if built_with != options:
+                raise CorpusFormatError(
+                    f"{npz} was built with {built_with}, this run asks for {options}: "
+                    "give another cache path or delete that one"
+                )
             return TokenizedCorpus.load(npz), Vocab.load(vocab_path), True
     corpus, vocab = fit_basic_english(load_lines(), min_freq, max_size, workers)
     if cache is not None:
         corpus.save(npz)
         vocab.save(vocab_path)
+        options_path.write_text(json.dumps(options))  # last: it marks the cache complete
     return corpus, vocab, False
 
 
@@ -411,7 +424,8 @@ def prepare_wikitext_ids(
 ) -> tuple[TokenizedCorpus, Vocab, str]:
     """The task-2 data path in one call: read (or generate) WikiText lines, tokenize with
     basic_english (cached), cut to ``max_length``; returns (corpus, vocab, source name)."""
+    source = corpus_name(path, quick, seed)
     corpus, vocab, _ = cached_basic_english(
-        lambda: load_corpus(path, quick, seed), cache, min_freq, max_size, workers
+        lambda: load_corpus(path, quick, seed), cache, min_freq, max_size, workers, source
     )
-    return corpus.truncate(max_length, overflow), vocab, corpus_name(path, quick, seed)
+    return corpus.truncate(max_length, overflow), vocab, source

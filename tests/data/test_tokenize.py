@@ -199,3 +199,11 @@ def test_cached_basic_english_hits_the_cache(tmp_path):
     assert hit2 and len(calls) == 1
     np.testing.assert_array_equal(again.ids, first.ids)
     assert vocab2.itos == vocab.itos
+    # Other options than the cache was built with: a clear error, not another vocabulary.
+    with pytest.raises(CorpusFormatError, match=r"c\.npz was built with .*'max_size': None"):
+        cached_basic_english(load, tmp_path / "c.npz", max_size=2, workers=1)
+    # A cache without recorded options (an older one) is rebuilt, then hits again.
+    (tmp_path / "c.options.json").unlink()
+    _, _, hit3 = cached_basic_english(load, tmp_path / "c.npz", workers=1)
+    assert not hit3 and len(calls) == 2
+    assert cached_basic_english(load, tmp_path / "c.npz", workers=1)[2]
