@@ -635,21 +635,20 @@ def packed_loader(
     (split into pieces); the packing is at ``loader.dataset.packing``. Shuffling permutes rows
     (bins) or, for ``"concat"``, documents.
     """
-    n_rows = batch_size if static_shape else None
+    collate_options = {
+        "n_rows": batch_size if static_shape else None,
+        "pad_id": pad_id,
+        "attention_block_size": attention_block_size,
+    }
+    loader_options = {
+        "batch_size": batch_size,
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+    }
     if method == "concat":
         ds = SequencedDataset(docs, seq_len, pad_id=pad_id, shuffle=shuffle, seed=seed)
-        return DataLoader(
-            ds,
-            batch_size=batch_size,
-            collate_fn=functools.partial(
-                collate_packed,
-                n_rows=n_rows,
-                pad_id=pad_id,
-                attention_block_size=attention_block_size,
-            ),
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-        )
+        collate = functools.partial(collate_packed, **collate_options)
+        return DataLoader(ds, collate_fn=collate, **loader_options)
     if method not in ("ffd", "bfd"):
         raise ValueError(f"method must be 'concat', 'ffd' or 'bfd', got {method!r}")
     lengths = getattr(docs, "lengths", None)
@@ -660,16 +659,8 @@ def packed_loader(
     generator = torch.Generator().manual_seed(seed) if shuffle else None
     return DataLoader(
         BinDataset(docs, packing),
-        batch_size=batch_size,
         shuffle=shuffle,
         generator=generator,
-        collate_fn=functools.partial(
-            collate_bins,
-            seq_len=seq_len,
-            pad_id=pad_id,
-            n_rows=n_rows,
-            attention_block_size=attention_block_size,
-        ),
-        num_workers=num_workers,
-        pin_memory=pin_memory,
+        collate_fn=functools.partial(collate_bins, seq_len=seq_len, **collate_options),
+        **loader_options,
     )
