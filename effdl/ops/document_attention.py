@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -127,15 +127,10 @@ class DocumentBlocks:
         return -(-self.seq_len // self.block_size)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DocumentBlocks:
-        return DocumentBlocks(
-            self.data.to(device, non_blocking=non_blocking),
-            self.batch,
-            self.seq_len,
-            self.block_size,
-        )
+        return replace(self, data=self.data.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> DocumentBlocks:
-        return DocumentBlocks(self.data.pin_memory(), self.batch, self.seq_len, self.block_size)
+        return replace(self, data=self.data.pin_memory())
 
     def block_mask(self, doc_ids: torch.Tensor) -> Any:
         """The ``BlockMask`` (views into ``data``) with the document-causal ``mask_mod``."""
