@@ -2,16 +2,19 @@
 
 For every config (batch_size, seq_len, hidden_dim, intermediate_size, num_layers) and dtype, each
 variant is built fresh (same seed), warmed up, then timed for ``--reps`` training steps
-(forward, then backward of a fixed random output gradient) with CUDA events; the peak memory of
-each step is read after resetting the peak counter. Medians are logged and compared as ratios
-within this run. Variants:
+(forward, then backward of a fixed random output gradient) run back to back as in a training
+loop, with CUDA events around each forward and backward and one synchronize at the end. The peak
+memory comes from a few more steps, each synchronized with the peak counter reset before it
+(their times are logged as ``step_synced_s_*``: they also charge each step the host's latency to
+its first kernel). Medians are logged and compared as ratios within this run. Variants:
 
   reference     SwigluMLP (nn.Linear) under plain autograd
   checkpoint    the same module inside torch.utils.checkpoint(use_reentrant=False), per layer
   level0/1/2    MemoryOptimizedSwigluMLP at CheckpointLevel 0 (save all), 1 (recompute all),
                 2 (save xW and xV, recompute the elementwise part)
-  level0_torch  level 0 with the PyTorch elementwise path instead of the fused Triton kernels
-                (CUDA only: shows what the fusion buys)
+  level0_torch  level 0 forced onto the PyTorch elementwise path, and
+  level0_triton level 0 forced onto the fused Triton kernels (CUDA only: what the fusion buys
+                at each size, the data behind effdl.ops.swiglu.TRITON_MIN_ELEMENTS)
 
 The stack is residual by default (x + mlp(x) per layer, keeping activations at unit scale across
 random layers); --no-residual stacks the layers bare, as in the assignment's test model.
@@ -60,8 +63,19 @@ LEVEL_VARIANTS = {
     "level1": CheckpointLevel.RECOMPUTE_ALL,
     "level2": CheckpointLevel.RECOMPUTE_ELEMENTWISE,
     "level0_torch": CheckpointLevel.SAVE_ALL,
+    "level0_triton": CheckpointLevel.SAVE_ALL,
 }
-VARIANTS = ["reference", "checkpoint", "level0", "level2", "level1", "level0_torch"]
+FORCED_BACKEND = {"level0_torch": "torch", "level0_triton": "triton"}
+VARIANTS = [
+    "reference",
+    "checkpoint",
+    "level0",
+    "level2",
+    "level1",
+    "level0_torch",
+    "level0_triton",
+]
+MEMORY_STEPS = 3
 
 # GEMMs of 2*N*H*I FLOPs per layer and step: 3 forward + 6 backward, plus the recomputed ones.
 GEMMS = {
@@ -71,15 +85,17 @@ GEMMS = {
     "level2": 9,
     "level1": 11,
     "level0_torch": 9,
+    "level0_triton": 9,
 }
 # Elementwise traffic per layer and step, in passes over an (N x I) tensor (one read or write).
 # aten (reference): silu 2 + mul 3 forward, mul-backward 6 + silu-backward 3; checkpoint re-runs
 # the forward pair. Fused Triton: gate 3; backward 5, or 6 when it also rebuilds g for dU.
-# PyTorch path: gate = silu 2 + mul_ 3; backward = silu 2 + silu_backward 3 + 2 muls 6 (+3 for g).
+# PyTorch path: gate = silu 2 + mul 3; backward = silu_backward 3 + 2 muls 6, plus silu 2 where
+# s = silu(a) is recomputed (levels 1, 2: level 0 keeps it) and +3 to rebuild g for dU.
 PASSES = {
     "aten": {"reference": 14, "checkpoint": 19},
     "triton": {"level0": 8, "level2": 9, "level1": 9},
-    "torch": {"level0": 16, "level2": 19, "level1": 19},
+    "torch": {"level0": 14, "level2": 19, "level1": 19},
 }
 
 
@@ -108,7 +124,7 @@ class Shape:
         return GEMMS[variant] * 2 * n * h * i * self.num_layers
 
     def elementwise_bytes(self, variant: str, backend: str, itemsize: int) -> int:
-        passes = PASSES[backend][variant.removesuffix("_torch")]
+        passes = PASSES[backend][variant.removesuffix("_torch").removesuffix("_triton")]
         return passes * self.tokens * self.intermediate_size * itemsize * self.num_layers
 
 
@@ -157,12 +173,13 @@ def parse_args():
 
 @contextmanager
 def elementwise_backend(variant: str) -> Iterator[None]:
-    """Force the PyTorch elementwise path for ``level0_torch``; leave the default otherwise."""
-    if not variant.endswith("_torch"):
+    """Force the elementwise path of ``level0_torch`` / ``level0_triton``; leave the default
+    otherwise."""
+    if variant not in FORCED_BACKEND:
         yield
         return
     previous = os.environ.get(ELEMENTWISE_ENV)
-    os.environ[ELEMENTWISE_ENV] = "torch"
+    os.environ[ELEMENTWISE_ENV] = FORCED_BACKEND[variant]
     try:
         yield
     finally:
@@ -196,33 +213,43 @@ def fresh_state(device: torch.device) -> None:
 
 
 def measure(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, warmup: int, reps: int) -> dict:
-    """Forward/backward/step timings and the step's peak memory (max over timed steps)."""
+    """Forward/backward/step times of back-to-back steps; peak memory of synchronized steps.
+
+    Back to back, the host queues one step while the GPU runs the previous one, as in training,
+    so a region's time is its GPU work (plus any time the GPU waits for a host that falls
+    behind). Synchronizing before every step instead would also charge each region the host's
+    latency to its first kernel, which a training loop hides.
+    """
     device = x.device
     fwd, bwd = RegionTimer(device), RegionTimer(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    peaks = []
     for step in range(warmup + reps):
         model.zero_grad(set_to_none=True)
         timed = step >= warmup
-        with peak_memory(device) as mem:
-            if timed:
-                fwd.start()
-            y = model(x)
-            if timed:
-                fwd.stop()
-                bwd.start()
-            y.backward(dy)
-            if timed:
-                bwd.stop()
-            del y
         if timed:
-            peaks.append(mem.bytes)
+            fwd.start()
+        y = model(x)
+        if timed:
+            fwd.stop()
+            bwd.start()
+        y.backward(dy)
+        if timed:
+            bwd.stop()
+        del y
     f, b = fwd.times(), bwd.times()
+    model.zero_grad(set_to_none=True)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    synced, peaks = RegionTimer(device), []
+    for _ in range(MEMORY_STEPS):
+        model.zero_grad(set_to_none=True)
+        with peak_memory(device) as mem, synced.region():
+            model(x).backward(dy)
+        peaks.append(mem.bytes)
     step_stats = TimingStats.from_times([a + c for a, c in zip(f, b, strict=True)])
     metrics = {
         **TimingStats.from_times(f).as_dict("fwd_s_"),
         **TimingStats.from_times(b).as_dict("bwd_s_"),
         **step_stats.as_dict("step_s_"),
+        **synced.stats().as_dict("step_synced_s_"),
     }
     if device.type == "cuda":
         metrics["peak_gib"] = max(peaks) / GIB
@@ -294,7 +321,7 @@ def main() -> None:
         )
     if args.warmup < 0 or args.reps < 1:
         raise UsageError("--warmup must be >= 0 and --reps >= 1")
-    variants = [v for v in args.variants if device.type == "cuda" or not v.endswith("_torch")]
+    variants = [v for v in args.variants if device.type == "cuda" or v not in FORCED_BACKEND]
     if args.configs:
         grid = [parse_shape(c) for c in args.configs]
     else:

@@ -89,7 +89,7 @@ def run_epoch(model, loader, device, autocast, max_batches, warmup_batches):
         for i, batch in enumerate(loader):
             if i >= warmup_batches:
                 break
-            model.features(**lm_inputs(batch).to(device).model_kwargs)
+            model.features(**lm_inputs(batch).to(device, labels=False).model_kwargs)
         timer = RegionTimer(device)
         real = slots = 0
         widths = []
@@ -110,7 +110,7 @@ def run_epoch(model, loader, device, autocast, max_batches, warmup_batches):
                 real += inputs.n_real_tokens
                 slots += inputs.n_slots
                 widths.append(inputs.model_kwargs["input_ids"].shape[1])
-                inputs = inputs.to(device, non_blocking=True)
+                inputs = inputs.to(device, non_blocking=True, labels=False)
                 timer.start()
                 model.features(**inputs.model_kwargs)
                 timer.stop()

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-IGNORE_INDEX = -100
+from effdl.data.labels import IGNORE_INDEX
+
 PAD_DOC_ID = -1
 
 if TYPE_CHECKING:

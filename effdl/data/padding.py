@@ -2,8 +2,9 @@
 
 Both pipelines read a :class:`~effdl.data.tokenize.TokenizedCorpus` (already truncated to the
 maximum length) and produce the same :class:`Batch`: token ids right-padded with ``pad_id``, a
-boolean padding mask (``True`` on padding, PyTorch's ``key_padding_mask`` convention) and the
-real lengths. No ``pad_sequence``, no default-collate or tokenizer padding: :func:`pad_batch`
+boolean padding mask (``True`` on padding, PyTorch's ``key_padding_mask`` convention), the
+real lengths and the next-token labels (made here, in the DataLoader workers, so the training
+loop's thread does not spend time on them). No ``pad_sequence``, no default-collate or tokenizer padding: :func:`pad_batch`
 writes every sample into a pre-filled array with one boolean-mask assignment.
 
 Names from the assignments: seed 000's BRAIN is :class:`PaddedDataset`; BIG BRAIN is
@@ -20,15 +21,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from effdl.data.labels import shifted_labels
 from effdl.data.tokenize import TokenizedCorpus
 
 
 class Batch(NamedTuple):
-    """``input_ids`` (B, T) int64, ``padding_mask`` (B, T) bool (True = pad), ``lengths`` (B,)."""
+    """``input_ids`` (B, T) int64, ``padding_mask`` (B, T) bool (True = pad), ``lengths`` (B,),
+    ``labels`` (B, T) int64: the next token, ``-100`` where it is padding or past the row."""
 
     input_ids: torch.Tensor
     padding_mask: torch.Tensor
     lengths: torch.Tensor
+    labels: torch.Tensor
 
     def pin_memory(self) -> Batch:
         return Batch(*(t.pin_memory() for t in self))
@@ -57,7 +61,12 @@ def pad_batch(samples: Sequence[np.ndarray], pad_id: int = 0, pad_to: int | None
     real = np.arange(width) < lengths[:, None]
     ids = np.full((len(samples), width), pad_id, dtype=np.int64)
     ids[real] = np.concatenate(samples)
-    return Batch(torch.from_numpy(ids), torch.from_numpy(~real), torch.from_numpy(lengths))
+    return Batch(
+        torch.from_numpy(ids),
+        torch.from_numpy(~real),
+        torch.from_numpy(lengths),
+        torch.from_numpy(shifted_labels(ids, real)),
+    )
 
 
 def collate_fn(samples: Sequence[np.ndarray], pad_id: int = 0) -> Batch:
@@ -123,11 +132,17 @@ class PaddedDataset(Dataset):
 
 
 def stack_collate(items: Sequence[tuple[np.ndarray, int]]) -> Batch:
-    """Collation for :class:`PaddedDataset`: stack fixed-length rows, derive mask and lengths."""
-    ids = torch.from_numpy(np.stack([x for x, _ in items]))
-    lengths = torch.tensor([n for _, n in items], dtype=torch.int64)
-    mask = torch.arange(ids.shape[1]) >= lengths[:, None]
-    return Batch(ids, mask, lengths)
+    """Collation for :class:`PaddedDataset`: stack fixed-length rows, derive mask, lengths and
+    labels."""
+    ids = np.stack([x for x, _ in items])
+    lengths = np.fromiter((n for _, n in items), dtype=np.int64, count=len(items))
+    real = np.arange(ids.shape[1]) < lengths[:, None]
+    return Batch(
+        torch.from_numpy(ids),
+        torch.from_numpy(~real),
+        torch.from_numpy(lengths),
+        torch.from_numpy(shifted_labels(ids, real)),
+    )
 
 
 # Seed 001's name for the BIG BRAIN dataset.

@@ -25,7 +25,8 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-IGNORE_INDEX = -100
+from effdl.data.labels import IGNORE_INDEX
+
 TEXT_COLUMN = "text"
 
 

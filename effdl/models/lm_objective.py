@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from effdl.data.labels import IGNORE_INDEX
 
 
 def next_token_labels(
@@ -86,20 +86,25 @@ class LMInputs:
     def padding_fraction(self) -> float:
         return 1.0 - self.n_real_tokens / self.n_slots
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> LMInputs:
+    def to(
+        self, device: torch.device | str, non_blocking: bool = False, labels: bool = True
+    ) -> LMInputs:
+        """A copy on ``device``; ``labels=False`` leaves the labels where they are (a loop that
+        only runs the forward does not need them on the device)."""
         kwargs = {k: v.to(device, non_blocking=non_blocking) for k, v in self.model_kwargs.items()}
-        labels = self.labels.to(device, non_blocking=non_blocking)
-        return LMInputs(kwargs, labels, self.n_real_tokens, self.n_slots)
+        moved = self.labels.to(device, non_blocking=non_blocking) if labels else self.labels
+        return LMInputs(kwargs, moved, self.n_real_tokens, self.n_slots)
 
 
 def lm_inputs(batch: Any) -> LMInputs:
     """Model inputs and labels of a padded :class:`~effdl.data.padding.Batch` or a packed batch.
 
-    A packed batch (anything with ``doc_ids``, e.g. ``effdl.data.packing.PackedBatch``) brings
-    its own labels and position ids (and its FlexAttention block lists, when the collate built
-    them); a padded batch gets :func:`next_token_labels`.
-    Call it on the CPU batch (the token counts then need no device sync), then ``.to(device)``;
-    labels made here from a pinned batch are pinned too, so that copy stays asynchronous.
+    Both bring their labels, made by the collate function in the DataLoader workers (making
+    them here, on the training loop's thread, cost ~4 ms per 40k-token batch with pinning:
+    reports/results/task2_session10/ultra_host_probe.log). A packed batch (anything with
+    ``doc_ids``, e.g. ``effdl.data.packing.PackedBatch``) also brings restarting position ids
+    and, when the collate built them, its FlexAttention block lists.
+    Call it on the CPU batch (the token counts then need no device sync), then ``.to(device)``.
     """
     ids = batch.input_ids
     if hasattr(batch, "doc_ids"):
@@ -108,9 +113,4 @@ def lm_inputs(batch: Any) -> LMInputs:
             kwargs["doc_blocks"] = batch.blocks
         return LMInputs(kwargs, batch.labels, int(batch.n_real_tokens), ids.numel())
     kwargs = {"input_ids": ids, "padding_mask": batch.padding_mask}
-    labels = next_token_labels(ids, batch.padding_mask)
-    if ids.is_pinned():
-        # A pageable source makes .to(cuda, non_blocking=True) wait for the GPU to drain its
-        # queue first: the training loop would stall on every batch (seen on an H100).
-        labels = labels.pin_memory()
-    return LMInputs(kwargs, labels, int(batch.lengths.sum()), ids.numel())
+    return LMInputs(kwargs, batch.labels, int(batch.lengths.sum()), ids.numel())

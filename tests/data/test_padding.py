@@ -16,12 +16,17 @@ from effdl.data.padding import (
     stack_collate,
 )
 from effdl.data.tokenize import TokenizedCorpus
+from effdl.models.lm_objective import next_token_labels
 
 
 def brute_force_pad(samples, pad_id, width):
     ids = [[*s, *([pad_id] * (width - len(s)))] for s in samples]
     mask = [[j >= len(s) for j in range(width)] for s in samples]
-    return torch.tensor(ids, dtype=torch.int64), torch.tensor(mask), [len(s) for s in samples]
+    return (
+        torch.tensor(ids, dtype=torch.int64),
+        torch.tensor(mask, dtype=torch.bool),
+        [len(s) for s in samples],
+    )
 
 
 @given(
@@ -39,6 +44,9 @@ def test_pad_batch_matches_brute_force(seqs, pad_id):
     assert torch.equal(batch.padding_mask, mask)
     assert batch.lengths.tolist() == lengths
     assert batch.n_real_tokens == sum(lengths)
+    # labels made in the collate equal the loss's own shift of the padded batch
+    assert batch.labels.dtype == torch.int64
+    assert torch.equal(batch.labels, next_token_labels(ids, mask))
 
 
 def test_pad_to_fixed_width_and_errors():

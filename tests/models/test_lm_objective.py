@@ -93,6 +93,7 @@ def test_lm_inputs_of_a_padded_batch():
     assert set(inputs.model_kwargs) == {"input_ids", "padding_mask"}
     moved = inputs.to("cpu")
     assert torch.equal(moved.labels, inputs.labels)
+    assert inputs.to("meta", labels=False).labels is inputs.labels
 
 
 @pytest.mark.gpu
