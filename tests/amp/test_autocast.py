@@ -168,6 +168,50 @@ def test_decorator_and_exception_restore_state():
     assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.float32
 
 
+def test_outermost_region_pauses_the_garbage_collector_and_restores_it():
+    import gc
+    import threading
+
+    assert gc.isenabled()
+    with Autocast("cpu"):
+        assert not gc.isenabled()
+        with Autocast("cpu", enabled=False):
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # only the outermost exit restores it
+    assert gc.isenabled()
+    with pytest.raises(KeyError), Autocast("cpu"):
+        raise KeyError("boom")
+    assert gc.isenabled()
+    with Autocast("cpu", pause_gc=False):
+        assert gc.isenabled()
+    assert gc.isenabled()
+    # A region on another thread keeps it paused until the last one exits.
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with Autocast("cpu"):
+            inside.set()
+            leave.wait(5)
+
+    t = threading.Thread(target=other)
+    t.start()
+    inside.wait(5)
+    with Autocast("cpu"):
+        pass
+    assert not gc.isenabled()
+    leave.set()
+    t.join()
+    assert gc.isenabled()
+    # A collector the user switched off stays off.
+    gc.disable()
+    try:
+        with Autocast("cpu"):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_transformer_layer_attention_runs_in_low_precision():
     layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
     x = torch.randn(2, 5, 16)
