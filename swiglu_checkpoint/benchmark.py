@@ -1,9 +1,9 @@
 """Time and memory of a SwiGLU MLP stack: reference, torch.utils.checkpoint, and each checkpoint level.
 
 For every config (batch_size, seq_len, hidden_dim, intermediate_size, num_layers) and dtype, each
-variant is built fresh (same seed), warmed up, then timed for ``--reps`` training steps
-(forward, then backward of a fixed random output gradient) run back to back as in a training
-loop, with CUDA events around each forward and backward and one synchronize at the end. The peak
+variant is built fresh (same seed), warmed up, then timed for ``--reps`` training steps, or
+more until ``--min-time`` seconds have passed (forward, then backward of a fixed random output
+gradient) run back to back as in a training loop, with CUDA events around each forward and backward and one synchronize at the end. The peak
 memory comes from a few more steps, each synchronized with the peak counter reset before it
 (their times are logged as ``step_synced_s_*``: they also charge each step the host's latency to
 its first kernel). Medians are logged and compared as ratios within this run. Variants:
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -76,6 +77,7 @@ VARIANTS = [
     "level0_triton",
 ]
 MEMORY_STEPS = 3
+MAX_REPS = 1000
 
 # GEMMs of 2*N*H*I FLOPs per layer and step: 3 forward + 6 backward, plus the recomputed ones.
 GEMMS = {
@@ -90,12 +92,11 @@ GEMMS = {
 # Elementwise traffic per layer and step, in passes over an (N x I) tensor (one read or write).
 # aten (reference): silu 2 + mul 3 forward, mul-backward 6 + silu-backward 3; checkpoint re-runs
 # the forward pair. Fused Triton: gate 3; backward 5, or 6 when it also rebuilds g for dU.
-# PyTorch path: gate = silu 2 + mul 3; backward = silu_backward 3 + 2 muls 6, plus silu 2 where
-# s = silu(a) is recomputed (levels 1, 2: level 0 keeps it) and +3 to rebuild g for dU.
+# PyTorch path: gate = silu 2 + mul_ 3; backward = silu 2 + silu_backward 3 + 2 muls 6 (+3 for g).
 PASSES = {
     "aten": {"reference": 14, "checkpoint": 19},
     "triton": {"level0": 8, "level2": 9, "level1": 9},
-    "torch": {"level0": 14, "level2": 19, "level1": 19},
+    "torch": {"level0": 16, "level2": 19, "level1": 19},
 }
 
 
@@ -165,7 +166,13 @@ def parse_args():
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], help=f"of {list(DTYPES)}")
     p.add_argument("--variants", nargs="+", default=VARIANTS, help=f"subset of {VARIANTS}")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--reps", type=int, default=8, help="timed steps, at least")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="seconds to keep timing a variant after --reps (default 1; 0 with --quick)",
+    )
     p.add_argument("--no-residual", action="store_true", help="bare stack: x = mlp(x)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
     return p.parse_args()
@@ -212,29 +219,35 @@ def fresh_state(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def measure(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, warmup: int, reps: int) -> dict:
+def measure(
+    model: nn.Module, x: torch.Tensor, dy: torch.Tensor, warmup: int, reps: int, min_time: float
+) -> dict:
     """Forward/backward/step times of back-to-back steps; peak memory of synchronized steps.
 
     Back to back, the host queues one step while the GPU runs the previous one, as in training,
     so a region's time is its GPU work (plus any time the GPU waits for a host that falls
     behind). Synchronizing before every step instead would also charge each region the host's
-    latency to its first kernel, which a training loop hides.
+    latency to its first kernel, which a training loop hides. Small configs take ~1 ms a step
+    and are bound by the host's Python, which jitters: warm-up and timing run on for at least
+    ``min_time / 3`` and ``min_time`` seconds (at most MAX_REPS timed steps).
     """
     device = x.device
     fwd, bwd = RegionTimer(device), RegionTimer(device)
-    for step in range(warmup + reps):
-        model.zero_grad(set_to_none=True)
-        timed = step >= warmup
-        if timed:
-            fwd.start()
-        y = model(x)
-        if timed:
-            fwd.stop()
-            bwd.start()
-        y.backward(dy)
-        if timed:
-            bwd.stop()
-        del y
+    for steps, min_s, timed in ((warmup, min_time / 3, False), (reps, min_time, True)):
+        start, done = time.perf_counter(), 0
+        while done < steps or (time.perf_counter() - start < min_s and done < MAX_REPS):
+            model.zero_grad(set_to_none=True)
+            if timed:
+                fwd.start()
+            y = model(x)
+            if timed:
+                fwd.stop()
+                bwd.start()
+            y.backward(dy)
+            if timed:
+                bwd.stop()
+            del y
+            done += 1
     f, b = fwd.times(), bwd.times()
     model.zero_grad(set_to_none=True)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -280,7 +293,7 @@ def run_variant(variant, shape, dtype, device, args) -> dict:
         x = torch.randn(size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
         dy = torch.randn(size, device=device, dtype=dtype, generator=gen)
         try:
-            metrics = measure(model, x, dy, args.warmup, args.reps)
+            metrics = measure(model, x, dy, args.warmup, args.reps, args.min_time)
         except torch.cuda.OutOfMemoryError:
             metrics = {"oom": True}
         finally:
@@ -319,8 +332,8 @@ def main() -> None:
         raise UsageError(
             f"--dtypes/--variants: unknown {unknown}; dtypes {list(DTYPES)}, variants {VARIANTS}"
         )
-    if args.warmup < 0 or args.reps < 1:
-        raise UsageError("--warmup must be >= 0 and --reps >= 1")
+    if args.warmup < 0 or args.reps < 1 or (args.min_time or 0) < 0:
+        raise UsageError("--warmup and --min-time must be >= 0 and --reps >= 1")
     variants = [v for v in args.variants if device.type == "cuda" or v not in FORCED_BACKEND]
     if args.configs:
         grid = [parse_shape(c) for c in args.configs]
@@ -328,6 +341,8 @@ def main() -> None:
         grid = QUICK_GRID if args.quick else GPU_GRID
     if args.quick:
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
+    if args.min_time is None:
+        args.min_time = 0.0 if args.quick else 1.0
     if device.type == "cpu" and not args.quick:
         print("note: a CPU run times the PyTorch paths only and has no memory statistics")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -380,6 +395,7 @@ def main() -> None:
                     "tf32": args.tf32,
                     "warmup": args.warmup,
                     "reps": args.reps,
+                    "min_time_s": args.min_time,
                     "device": str(device),
                     "quick": args.quick,
                 }

@@ -42,9 +42,7 @@ class CheckpointLevel(IntEnum):
     Per layer, with ``N`` tokens and ``I`` intermediate units, the kept activations are:
 
     - ``SAVE_ALL`` (0): ``x`` and the weights plus ``a = xW``, ``b = xV``, ``g = silu(a) * b``
-      (three ``N x I`` tensors), and on the PyTorch elementwise path also ``s = silu(a)`` (a
-      fourth, as the reference module keeps): backward computes nothing twice. The fused Triton
-      backward gets ``s`` from ``a`` in registers at no extra pass, so it is not kept there.
+      (three ``N x I`` tensors); backward runs no GEMM twice.
     - ``RECOMPUTE_ALL`` (1): ``x`` and the weights only; backward re-runs the two GEMMs
       ``xW``, ``xV`` (2 of the 9 GEMMs of a step, +22% GEMM FLOPs) and the elementwise part.
     - ``RECOMPUTE_ELEMENTWISE`` (2): ``x``, the weights, ``a`` and ``b`` (two ``N x I``
@@ -81,60 +79,39 @@ class ElementwiseOps:
     """The elementwise half of the layer, one implementation per backend.
 
     ``gate(a, b, inplace)`` returns ``g = silu(a) * b``; with ``inplace`` it is written into
-    ``a``'s storage. ``gate_backward(a, b, dg, want_g, ab_scratch, s=None)`` returns
+    ``a``'s storage. ``gate_backward(a, b, dg, want_g, ab_scratch)`` returns
     ``(da, db, g or None)`` with ``da = dg * b * silu'(a)``, ``db = dg * silu(a)``; ``dg`` is
     always consumed (its storage may hold an output), and ``a``, ``b`` are consumed too when
     ``ab_scratch`` (otherwise they are left untouched, e.g. because they are saved tensors that a
-    second backward may read); ``s``, when given, is ``silu(a)`` kept by the forward and is not
-    modified. ``gate_keeping_silu(a, b) -> (g, s)``, for a backend whose backward would spend a
-    pass of its own recomputing ``s``, lets level 0 keep it; None where the backward fuses it.
-    Inputs are contiguous tensors of one shape and dtype.
+    second backward may read). Inputs are contiguous tensors of one shape and dtype.
     """
 
     name: str
     gate: Callable[..., torch.Tensor]
     gate_backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-    gate_keeping_silu: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _torch_gate(a: torch.Tensor, b: torch.Tensor, *, inplace: bool) -> torch.Tensor:
     return F.silu(a, inplace=inplace).mul_(b)
 
 
-def _torch_gate_keeping_silu(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s = F.silu(a)
-    return s * b, s
-
-
 def _torch_gate_backward(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dg: torch.Tensor,
-    *,
-    want_g: bool,
-    ab_scratch: bool,
-    s: torch.Tensor | None = None,
+    a: torch.Tensor, b: torch.Tensor, dg: torch.Tensor, *, want_g: bool, ab_scratch: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    # Three kernels given s (b * silu'(a) via aten's fused silu_backward, written over a when a
-    # is scratch; then two in-place products), a fourth to recompute s otherwise.
-    saved_s = s is not None
-    if not saved_s:
-        s = F.silu(a)
+    # Five passes and at most one extra (N x I) buffer: s; b * silu'(a) via aten's fused
+    # silu_backward (written over a when a is scratch); then three in-place products.
+    s = F.silu(a)
     if ab_scratch:
         da = torch.ops.aten.silu_backward.grad_input(b, a, grad_input=a)
     else:
         da = torch.ops.aten.silu_backward(b, a)
     da.mul_(dg)
     db = dg.mul_(s)
-    g = None
-    if want_g:
-        g = s * b if saved_s else s.mul_(b)
+    g = s.mul_(b) if want_g else None
     return da, db, g
 
 
-TORCH_OPS = ElementwiseOps(
-    "torch", _torch_gate, _torch_gate_backward, gate_keeping_silu=_torch_gate_keeping_silu
-)
+TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 
 # Smallest (N x I) element count per dtype at which ``auto`` takes the fused Triton kernels on
 # CUDA. A Triton launch costs tens of microseconds of Python, more than the PyTorch launches it
@@ -231,7 +208,7 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
 
 def _backward(ctx, dy: torch.Tensor):
     """The gradients of :class:`MemoryOptimizedSwigluMLPFunction` (see its docstring)."""
-    x, W, V, U, a, b, g, s = ctx.saved_tensors
+    x, W, V, U, a, b, g = ctx.saved_tensors
     need_x, need_W, need_V, need_U = ctx.needs_input_grad[:4]
     need_gate = need_x or need_W or need_V
     recompute, ops = ctx.recompute, ctx.ops
@@ -248,10 +225,10 @@ def _backward(ctx, dy: torch.Tensor):
         if need_gate:
             dg = torch.mm(dy2, U.t())
             da, db, g_new = ops.gate_backward(
-                a, b, dg, want_g=need_U and g is None, ab_scratch=recompute, s=s
+                a, b, dg, want_g=need_U and g is None, ab_scratch=recompute
             )
             g = g if g is not None else g_new
-            del dg, g_new, s
+            del dg, g_new
         elif g is None:
             g = ops.gate(a, b, inplace=recompute)
         del a, b  # recomputed buffers are free from here on (saved ones live with ctx)
@@ -340,20 +317,12 @@ class MemoryOptimizedSwigluMLPFunction(torch.autograd.Function):
         recompute = level is CheckpointLevel.RECOMPUTE_ALL
         x2 = x.reshape(-1, x.shape[-1])
         ops = elementwise_ops(x.device, x2.shape[0] * W.shape[1], x.dtype)
-        # dB = dG * silu(A): at level 0 a backend that would recompute silu(A) keeps it instead.
-        keep_s = (
-            level is CheckpointLevel.SAVE_ALL and need_gate and ops.gate_keeping_silu is not None
-        )
 
         with _autocast_off(x.device.type):
             a = torch.mm(x2, W)
             b = torch.mm(x2, V)
-            s = None
-            if keep_s:
-                g, s = ops.gate_keeping_silu(a, b)
-            else:
-                # When A is not kept, G overwrites it: one (N x I) buffer less at the forward peak.
-                g = ops.gate(a, b, inplace=not keep_ab)
+            # When A is not kept, G overwrites it: one (N x I) buffer less at the forward peak.
+            g = ops.gate(a, b, inplace=not keep_ab)
             y = torch.mm(g, U)
 
         ctx.save_for_backward(
@@ -364,7 +333,6 @@ class MemoryOptimizedSwigluMLPFunction(torch.autograd.Function):
             a if keep_ab else None,
             b if keep_ab else None,
             g if keep_g else None,
-            s,
         )
         ctx.recompute, ctx.ops, ctx.x_shape = recompute, ops, x.shape
         return y.view(*x.shape[:-1], U.shape[1])

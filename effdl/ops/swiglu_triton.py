@@ -65,17 +65,10 @@ def gate(a: torch.Tensor, b: torch.Tensor, *, inplace: bool) -> torch.Tensor:
 
 
 def gate_backward(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dg: torch.Tensor,
-    *,
-    want_g: bool,
-    ab_scratch: bool,
-    s: torch.Tensor | None = None,
+    a: torch.Tensor, b: torch.Tensor, dg: torch.Tensor, *, want_g: bool, ab_scratch: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(da, db, g or None)`` in one pass. Outputs go to ``dg``'s storage and, when
-    ``ab_scratch``, to ``a``'s and ``b``'s; otherwise new buffers are allocated for the rest.
-    ``s`` is accepted for the common interface and unused: the kernel gets silu(a) in registers."""
+    ``ab_scratch``, to ``a``'s and ``b``'s; otherwise new buffers are allocated for the rest."""
     if ab_scratch:
         da, db, g = a, b, (dg if want_g else None)
     else:
