@@ -1,12 +1,13 @@
 """Time and memory of a SwiGLU MLP stack: reference, torch.utils.checkpoint, and each checkpoint level.
 
 For every config (batch_size, seq_len, hidden_dim, intermediate_size, num_layers) and dtype, each
-variant is built fresh (same seed), warmed up, then timed for ``--reps`` training steps, or
-more until ``--min-time`` seconds have passed (forward, then backward of a fixed random output
-gradient) run back to back as in a training loop, with CUDA events around each forward and backward and one synchronize at the end. The peak
-memory comes from a few more steps, each synchronized with the peak counter reset before it
-(their times are logged as ``step_synced_s_*``: they also charge each step the host's latency to
-its first kernel). Medians are logged and compared as ratios within this run. Variants:
+variant runs training steps (forward, then backward of a fixed random output gradient) back to
+back as in a training loop, with CUDA events around each forward and backward and one
+synchronize at the end: at least ``--reps`` steps and ``--min-time`` seconds, split over
+``--rounds`` turns that the variants take one after another (each turn builds the variant fresh,
+same seed, and warms it up). The peak memory comes from a few more steps, each synchronized with
+the peak counter reset before it (their times are logged as ``step_synced_s_*``: they also charge
+each step the host's latency to its first kernel). Medians are logged and compared as ratios within this run. Variants:
 
   reference     SwigluMLP (nn.Linear) under plain autograd
   checkpoint    the same module inside torch.utils.checkpoint(use_reentrant=False), per layer
@@ -29,11 +30,12 @@ FLOPs at that ceiling plus its elementwise bytes at the measured copy bandwidth.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -168,6 +170,13 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=8, help="timed steps, at least")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="variants take turns this many times per config, sharing --reps and --min-time "
+        "(default 3; 1 with --quick)",
+    )
+    p.add_argument(
         "--min-time",
         type=float,
         default=None,
@@ -219,10 +228,51 @@ def fresh_state(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+@dataclass
+class Samples:
+    """Raw measurements of one variant at one config, gathered over the rounds."""
+
+    fwd: list[float] = field(default_factory=list)
+    bwd: list[float] = field(default_factory=list)
+    synced: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+    base: int = 0
+    oom: bool = False
+
+    def metrics(self, cuda: bool) -> dict:
+        """Medians and spreads of the times, the peak memory; ``{"oom": True}`` after an OOM."""
+        if self.oom:
+            return {"oom": True}
+        steps = [a + c for a, c in zip(self.fwd, self.bwd, strict=True)]
+        metrics = {
+            **TimingStats.from_times(self.fwd).as_dict("fwd_s_"),
+            **TimingStats.from_times(self.bwd).as_dict("bwd_s_"),
+            **TimingStats.from_times(steps).as_dict("step_s_"),
+            **TimingStats.from_times(self.synced).as_dict("step_synced_s_"),
+        }
+        if cuda:
+            metrics["peak_gib"] = max(self.peaks) / GIB
+            metrics["base_gib"] = self.base / GIB  # weights, x, dy: allocated before the step
+            metrics["activation_peak_gib"] = (max(self.peaks) - self.base) / GIB
+        else:  # PyTorch keeps no allocator statistics on the CPU
+            nan = float("nan")
+            metrics.update(peak_gib=nan, base_gib=nan, activation_peak_gib=nan)
+        return metrics
+
+
 def measure(
-    model: nn.Module, x: torch.Tensor, dy: torch.Tensor, warmup: int, reps: int, min_time: float
-) -> dict:
-    """Forward/backward/step times of back-to-back steps; peak memory of synchronized steps.
+    model: nn.Module,
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    samples: Samples,
+    *,
+    warmup: int,
+    reps: int,
+    min_time: float,
+    memory: bool,
+) -> None:
+    """Add forward/backward times of back-to-back steps (and, with ``memory``, the peak memory
+    and times of synchronized steps) to ``samples``.
 
     Back to back, the host queues one step while the GPU runs the previous one, as in training,
     so a region's time is its GPU work (plus any time the GPU waits for a host that falls
@@ -248,31 +298,19 @@ def measure(
                 bwd.stop()
             del y
             done += 1
-    f, b = fwd.times(), bwd.times()
+    samples.fwd += fwd.times()
+    samples.bwd += bwd.times()
+    if not memory:
+        return
     model.zero_grad(set_to_none=True)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    synced, peaks = RegionTimer(device), []
+    samples.base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    synced = RegionTimer(device)
     for _ in range(MEMORY_STEPS):
         model.zero_grad(set_to_none=True)
         with peak_memory(device) as mem, synced.region():
             model(x).backward(dy)
-        peaks.append(mem.bytes)
-    step_stats = TimingStats.from_times([a + c for a, c in zip(f, b, strict=True)])
-    metrics = {
-        **TimingStats.from_times(f).as_dict("fwd_s_"),
-        **TimingStats.from_times(b).as_dict("bwd_s_"),
-        **step_stats.as_dict("step_s_"),
-        **synced.stats().as_dict("step_synced_s_"),
-    }
-    if device.type == "cuda":
-        metrics["peak_gib"] = max(peaks) / GIB
-        metrics["base_gib"] = base / GIB  # weights, x, dy: allocated before the step
-        metrics["activation_peak_gib"] = (max(peaks) - base) / GIB
-    else:  # PyTorch keeps no allocator statistics on the CPU
-        metrics.update(
-            peak_gib=float("nan"), base_gib=float("nan"), activation_peak_gib=float("nan")
-        )
-    return metrics
+        samples.peaks.append(mem.bytes)
+    samples.synced += synced.times()
 
 
 def backend_of(variant: str, shape, dtype: torch.dtype, device: torch.device) -> str:
@@ -283,9 +321,15 @@ def backend_of(variant: str, shape, dtype: torch.dtype, device: torch.device) ->
         return elementwise_ops(device, shape.tokens * shape.intermediate_size, dtype).name
 
 
-def run_variant(variant, shape, dtype, device, args) -> dict:
+def run_variant(variant, shape, dtype, device, args, samples: Samples, memory: bool) -> None:
+    """One round of ``variant``: build it fresh (same seed), warm it up, time it (``measure``)."""
     fresh_state(device)
     seed_everything(args.seed)
+    per_round = {
+        "warmup": args.warmup,
+        "reps": math.ceil(args.reps / args.rounds),
+        "min_time": args.min_time / args.rounds,
+    }
     with elementwise_backend(variant):
         model = build(variant, shape, dtype, device, residual=not args.no_residual)
         gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -293,13 +337,12 @@ def run_variant(variant, shape, dtype, device, args) -> dict:
         x = torch.randn(size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
         dy = torch.randn(size, device=device, dtype=dtype, generator=gen)
         try:
-            metrics = measure(model, x, dy, args.warmup, args.reps, args.min_time)
+            measure(model, x, dy, samples, memory=memory, **per_round)
         except torch.cuda.OutOfMemoryError:
-            metrics = {"oom": True}
+            samples.oom = True
         finally:
             del model, x, dy
             fresh_state(device)
-    return metrics
 
 
 def ratio(num: float | None, den: float | None) -> float:
@@ -332,8 +375,8 @@ def main() -> None:
         raise UsageError(
             f"--dtypes/--variants: unknown {unknown}; dtypes {list(DTYPES)}, variants {VARIANTS}"
         )
-    if args.warmup < 0 or args.reps < 1 or (args.min_time or 0) < 0:
-        raise UsageError("--warmup and --min-time must be >= 0 and --reps >= 1")
+    if args.warmup < 0 or args.reps < 1 or (args.min_time or 0) < 0 or (args.rounds or 1) < 1:
+        raise UsageError("--warmup and --min-time must be >= 0, --reps and --rounds >= 1")
     variants = [v for v in args.variants if device.type == "cuda" or v not in FORCED_BACKEND]
     if args.configs:
         grid = [parse_shape(c) for c in args.configs]
@@ -343,6 +386,8 @@ def main() -> None:
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
     if args.min_time is None:
         args.min_time = 0.0 if args.quick else 1.0
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     if device.type == "cpu" and not args.quick:
         print("note: a CPU run times the PyTorch paths only and has no memory statistics")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -363,6 +408,15 @@ def main() -> None:
         )
         itemsize = torch.empty((), dtype=dtype).element_size()
         for shape in tqdm(grid, desc=f"{dtype_name} configs", unit="config"):
+            # Variants take turns, round after round, so that a stretch of host or clock noise
+            # (small configs are host-bound) is shared out instead of landing on one variant.
+            samples = {v: Samples() for v in variants}
+            for rnd in range(args.rounds):
+                for variant in variants:
+                    if not samples[variant].oom:
+                        run_variant(
+                            variant, shape, dtype, device, args, samples[variant], memory=rnd == 0
+                        )
             res = {}
             for variant in variants:
                 flops_exec = shape.gemm_flops(variant)
@@ -370,7 +424,7 @@ def main() -> None:
                 backend = backend_of(variant, shape, dtype, device)
                 ew_bytes = shape.elementwise_bytes(variant, backend, itemsize)
                 floor_s = flops_exec / (ceiling * 1e12) + ew_bytes / (bandwidth * 1e9)
-                metrics = run_variant(variant, shape, dtype, device, args)
+                metrics = samples[variant].metrics(device.type == "cuda")
                 if "step_s_median" in metrics:
                     step = metrics["step_s_median"]
                     metrics.update(
@@ -396,6 +450,7 @@ def main() -> None:
                     "warmup": args.warmup,
                     "reps": args.reps,
                     "min_time_s": args.min_time,
+                    "rounds": args.rounds,
                     "device": str(device),
                     "quick": args.quick,
                 }
