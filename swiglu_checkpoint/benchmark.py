@@ -7,7 +7,8 @@ synchronize at the end: at least ``--reps`` steps and ``--min-time`` seconds, sp
 ``--rounds`` turns that the variants take one after another (each turn builds the variant fresh,
 same seed, and warms it up). The peak memory comes from a few more steps, each synchronized with
 the peak counter reset before it (their times are logged as ``step_synced_s_*``: they also charge
-each step the host's latency to its first kernel). Medians are logged and compared as ratios within this run. Variants:
+each step the host's latency to its first kernel). Medians are logged and compared as ratios
+within this run. Variants:
 
   reference     SwigluMLP (nn.Linear) under plain autograd
   checkpoint    the same module inside torch.utils.checkpoint(use_reentrant=False), per layer
