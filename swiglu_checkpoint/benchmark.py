@@ -279,14 +279,14 @@ def measure(
     so a region's time is its GPU work (plus any time the GPU waits for a host that falls
     behind). Synchronizing before every step instead would also charge each region the host's
     latency to its first kernel, which a training loop hides. Small configs take ~1 ms a step
-    and are bound by the host's Python, which jitters: warm-up and timing run on for at least
-    ``min_time / 3`` and ``min_time`` seconds (at most MAX_REPS timed steps).
+    and are bound by the host's Python, which jitters: warm-up and timing run on for about
+    ``min_time / 3`` and ``min_time`` seconds (at most MAX_REPS steps each).
     """
     device = x.device
     fwd, bwd = RegionTimer(device), RegionTimer(device)
-    for steps, min_s, timed in ((warmup, min_time / 3, False), (reps, min_time, True)):
-        start, done = time.perf_counter(), 0
-        while done < steps or (time.perf_counter() - start < min_s and done < MAX_REPS):
+
+    def run(steps: int, timed: bool) -> None:
+        for _ in range(steps):
             model.zero_grad(set_to_none=True)
             if timed:
                 fwd.start()
@@ -298,7 +298,16 @@ def measure(
             if timed:
                 bwd.stop()
             del y
-            done += 1
+
+    # The host runs ahead of the GPU, so step counts for the time budgets come from the
+    # synchronized wall time of the warm-up steps.
+    start = time.perf_counter()
+    run(max(warmup, 1), timed=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    per_step = (time.perf_counter() - start) / max(warmup, 1)
+    run(min(MAX_REPS, math.ceil(min_time / 3 / per_step)) - max(warmup, 1), timed=False)
+    run(max(reps, min(MAX_REPS, math.ceil(min_time / per_step))), timed=True)
     samples.fwd += fwd.times()
     samples.bwd += bwd.times()
     if not memory:
