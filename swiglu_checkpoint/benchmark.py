@@ -175,13 +175,13 @@ def parse_args():
         type=int,
         default=None,
         help="variants take turns this many times per config, sharing --reps and --min-time "
-        "(default 3; 1 with --quick)",
+        "(default 5; 1 with --quick)",
     )
     p.add_argument(
         "--min-time",
         type=float,
         default=None,
-        help="seconds to keep timing a variant after --reps (default 1; 0 with --quick)",
+        help="seconds to keep timing a variant after --reps (default 2; 0 with --quick)",
     )
     p.add_argument("--no-residual", action="store_true", help="bare stack: x = mlp(x)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
@@ -395,9 +395,9 @@ def main() -> None:
     if args.quick:
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
     if args.min_time is None:
-        args.min_time = 0.0 if args.quick else 1.0
+        args.min_time = 0.0 if args.quick else 2.0
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 3
+        args.rounds = 1 if args.quick else 5
     if device.type == "cpu" and not args.quick:
         print("note: a CPU run times the PyTorch paths only and has no memory statistics")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
