@@ -4,8 +4,9 @@ Both pipelines read a :class:`~effdl.data.tokenize.TokenizedCorpus` (already tru
 maximum length) and produce the same :class:`Batch`: token ids right-padded with ``pad_id``, a
 boolean padding mask (``True`` on padding, PyTorch's ``key_padding_mask`` convention), the
 real lengths and the next-token labels (made here, in the DataLoader workers, so the training
-loop's thread does not spend time on them). No ``pad_sequence``, no default-collate or tokenizer padding: :func:`pad_batch`
-writes every sample into a pre-filled array with one boolean-mask assignment.
+loop's thread does not spend time on them). No ``pad_sequence``, no default-collate or tokenizer
+padding: :func:`pad_batch` writes every sample into a pre-filled array with one boolean-mask
+assignment.
 
 Names from the assignments: seed 000's BRAIN is :class:`PaddedDataset`; BIG BRAIN is
 :class:`UnpaddedDataset` + :func:`collate_fn`, seed 001's ``StandardDataset`` + ``collate_fn``.
@@ -34,6 +35,16 @@ class Batch(NamedTuple):
     lengths: torch.Tensor
     labels: torch.Tensor
 
+    @classmethod
+    def from_arrays(cls, ids: np.ndarray, real: np.ndarray, lengths: np.ndarray) -> Batch:
+        """The batch of right-padded ``ids`` (B, T) whose real tokens ``real`` (B, T) marks."""
+        return cls(
+            torch.from_numpy(ids),
+            torch.from_numpy(~real),
+            torch.from_numpy(lengths),
+            torch.from_numpy(shifted_labels(ids, real)),
+        )
+
     def pin_memory(self) -> Batch:
         return Batch(*(t.pin_memory() for t in self))
 
@@ -61,12 +72,7 @@ def pad_batch(samples: Sequence[np.ndarray], pad_id: int = 0, pad_to: int | None
     real = np.arange(width) < lengths[:, None]
     ids = np.full((len(samples), width), pad_id, dtype=np.int64)
     ids[real] = np.concatenate(samples)
-    return Batch(
-        torch.from_numpy(ids),
-        torch.from_numpy(~real),
-        torch.from_numpy(lengths),
-        torch.from_numpy(shifted_labels(ids, real)),
-    )
+    return Batch.from_arrays(ids, real, lengths)
 
 
 def collate_fn(samples: Sequence[np.ndarray], pad_id: int = 0) -> Batch:
@@ -137,12 +143,7 @@ def stack_collate(items: Sequence[tuple[np.ndarray, int]]) -> Batch:
     ids = np.stack([x for x, _ in items])
     lengths = np.fromiter((n for _, n in items), dtype=np.int64, count=len(items))
     real = np.arange(ids.shape[1]) < lengths[:, None]
-    return Batch(
-        torch.from_numpy(ids),
-        torch.from_numpy(~real),
-        torch.from_numpy(lengths),
-        torch.from_numpy(shifted_labels(ids, real)),
-    )
+    return Batch.from_arrays(ids, real, lengths)
 
 
 # Seed 001's name for the BIG BRAIN dataset.
