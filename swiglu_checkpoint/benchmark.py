@@ -1,14 +1,15 @@
 """Time and memory of a SwiGLU MLP stack: reference, torch.utils.checkpoint, and each checkpoint level.
 
-For every config (batch_size, seq_len, hidden_dim, intermediate_size, num_layers) and dtype, each
-variant runs training steps (forward, then backward of a fixed random output gradient) back to
-back as in a training loop, with CUDA events around each forward and backward and one
-synchronize at the end: at least ``--reps`` steps and ``--min-time`` seconds, split over
-``--rounds`` turns that the variants take one after another (each turn builds the variant fresh,
-same seed, and warms it up). The peak memory comes from a few more steps, each synchronized with
-the peak counter reset before it (their times are logged as ``step_synced_s_*``: they also charge
-each step the host's latency to its first kernel). Medians are logged and compared as ratios
-within this run. Variants:
+For every config (batch_size, seq_len, hidden_dim, intermediate_size, num_layers) and dtype, all
+variants are built once (same seed) and kept alive. Each first runs a few synchronized steps
+(forward, then backward of a fixed random output gradient) with the peak-memory counter reset
+before each: its own peak is the counter less what the other, idle variants hold (their times
+are logged as ``step_synced_s_*``; they also charge each step the host's latency to its first
+kernel). Then the variants take turns in ``--rounds`` rounds of short chunks of back-to-back
+steps, as a training loop runs them, with CUDA events around each forward and backward and no
+synchronize in between: at least ``--reps`` steps and ``--min-time`` seconds per variant
+(``time_config`` says why). Medians are logged and compared as ratios within this run.
+Variants:
 
   reference     SwigluMLP (nn.Linear) under plain autograd
   checkpoint    the same module inside torch.utils.checkpoint(use_reentrant=False), per layer
@@ -33,7 +34,7 @@ from __future__ import annotations
 import gc
 import math
 import os
-import time
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -168,20 +169,21 @@ def parse_args():
     )
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], help=f"of {list(DTYPES)}")
     p.add_argument("--variants", nargs="+", default=VARIANTS, help=f"subset of {VARIANTS}")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the memory steps")
     p.add_argument("--reps", type=int, default=8, help="timed steps, at least")
     p.add_argument(
         "--rounds",
         type=int,
         default=None,
-        help="variants take turns this many times per config, sharing --reps and --min-time "
-        "(default 5; 1 with --quick)",
+        help="variants take turns this many times per config, each round a chunk of its "
+        "timed steps (default 10; 1 with --quick)",
     )
     p.add_argument(
         "--min-time",
         type=float,
         default=None,
-        help="seconds to keep timing a variant after --reps (default 2; 0 with --quick)",
+        help="seconds of timed steps per variant, at its synchronized step time "
+        "(default 2; 0 with --quick)",
     )
     p.add_argument("--no-residual", action="store_true", help="bare stack: x = mlp(x)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
@@ -230,14 +232,26 @@ def fresh_state(device: torch.device) -> None:
 
 
 @dataclass
+class Contender:
+    """One variant, alive for the whole config: its stack, input and output gradient, and the
+    bytes it holds between steps (weights, x, dy)."""
+
+    model: nn.Module
+    x: torch.Tensor
+    dy: torch.Tensor
+    base: int
+
+
+@dataclass
 class Samples:
-    """Raw measurements of one variant at one config, gathered over the rounds."""
+    """Raw measurements of one variant at one config."""
 
     fwd: list[float] = field(default_factory=list)
     bwd: list[float] = field(default_factory=list)
     synced: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
     base: int = 0
+    chunks: int = 0
     oom: bool = False
 
     def metrics(self, cuda: bool) -> dict:
@@ -250,10 +264,11 @@ class Samples:
             **TimingStats.from_times(self.bwd).as_dict("bwd_s_"),
             **TimingStats.from_times(steps).as_dict("step_s_"),
             **TimingStats.from_times(self.synced).as_dict("step_synced_s_"),
+            "chunks": self.chunks,
         }
         if cuda:
             metrics["peak_gib"] = max(self.peaks) / GIB
-            metrics["base_gib"] = self.base / GIB  # weights, x, dy: allocated before the step
+            metrics["base_gib"] = self.base / GIB  # weights, x, dy: held before the step
             metrics["activation_peak_gib"] = (max(self.peaks) - self.base) / GIB
         else:  # PyTorch keeps no allocator statistics on the CPU
             nan = float("nan")
@@ -261,66 +276,129 @@ class Samples:
         return metrics
 
 
-def measure(
-    model: nn.Module,
-    x: torch.Tensor,
-    dy: torch.Tensor,
-    samples: Samples,
-    *,
-    warmup: int,
-    reps: int,
-    min_time: float,
-    memory: bool,
+def build_contender(variant: str, shape: Shape, dtype: torch.dtype, device, args) -> Contender:
+    """``variant``'s stack and data, seeded alike for every variant."""
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    seed_everything(args.seed)
+    with elementwise_backend(variant):
+        model = build(variant, shape, dtype, device, residual=not args.no_residual)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    size = (shape.batch_size, shape.seq_len, shape.hidden_dim)
+    x = torch.randn(size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+    dy = torch.randn(size, device=device, dtype=dtype, generator=gen)
+    base = torch.cuda.memory_allocated(device) - before if cuda else 0
+    return Contender(model, x, dy, base)
+
+
+def run_steps(
+    variant: str,
+    c: Contender,
+    steps: int,
+    fwd: RegionTimer | None = None,
+    bwd: RegionTimer | None = None,
 ) -> None:
-    """Add forward/backward times of back-to-back steps (and, with ``memory``, the peak memory
-    and times of synchronized steps) to ``samples``.
-
-    Back to back, the host queues one step while the GPU runs the previous one, as in training,
-    so a region's time is its GPU work (plus any time the GPU waits for a host that falls
-    behind). Synchronizing before every step instead would also charge each region the host's
-    latency to its first kernel, which a training loop hides. Small configs take ~1 ms a step
-    and are bound by the host's Python, which jitters: warm-up and timing run on for about
-    ``min_time / 3`` and ``min_time`` seconds (at most MAX_REPS steps each).
-    """
-    device = x.device
-    fwd, bwd = RegionTimer(device), RegionTimer(device)
-
-    def run(steps: int, timed: bool) -> None:
+    """``steps`` training steps of ``c`` back to back (timed when given timers); the gradients
+    are dropped before each step and after the last, so an idle variant holds only its base."""
+    with elementwise_backend(variant):
         for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            if timed:
+            c.model.zero_grad(set_to_none=True)
+            c.x.grad = None
+            if fwd is not None:
                 fwd.start()
-            y = model(x)
-            if timed:
+            y = c.model(c.x)
+            if fwd is not None:
                 fwd.stop()
                 bwd.start()
-            y.backward(dy)
-            if timed:
+            y.backward(c.dy)
+            if bwd is not None:
                 bwd.stop()
             del y
+        c.model.zero_grad(set_to_none=True)
+        c.x.grad = None
 
-    # The host runs ahead of the GPU, so step counts for the time budgets come from the
-    # synchronized wall time of the warm-up steps.
-    start = time.perf_counter()
-    run(max(warmup, 1), timed=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    per_step = (time.perf_counter() - start) / max(warmup, 1)
-    run(min(MAX_REPS, math.ceil(min_time / 3 / per_step)) - max(warmup, 1), timed=False)
-    run(max(reps, min(MAX_REPS, math.ceil(min_time / per_step))), timed=True)
-    samples.fwd += fwd.times()
-    samples.bwd += bwd.times()
-    if not memory:
-        return
-    model.zero_grad(set_to_none=True)
-    samples.base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+def measure_memory(variant: str, c: Contender, samples: Samples, warmup: int) -> None:
+    """Warm ``c`` up, then run MEMORY_STEPS synchronized steps, each with the peak counter reset:
+    their peaks less what the other (idle) variants hold are ``c``'s own, their times the
+    ``step_synced_s_*`` entries."""
+    device = c.x.device
+    cuda = device.type == "cuda"
+    run_steps(variant, c, max(warmup, 1))
     synced = RegionTimer(device)
+    samples.base = c.base
     for _ in range(MEMORY_STEPS):
-        model.zero_grad(set_to_none=True)
+        others = torch.cuda.memory_allocated(device) - c.base if cuda else 0
         with peak_memory(device) as mem, synced.region():
-            model(x).backward(dy)
-        samples.peaks.append(mem.bytes)
+            run_steps(variant, c, 1)
+        samples.peaks.append(mem.bytes - others)
     samples.synced += synced.times()
+
+
+def time_config(
+    shape: Shape, dtype: torch.dtype, variants: list[str], device, args
+) -> dict[str, Samples]:
+    """Time every variant at one config, all kept alive and taking turns in short chunks.
+
+    Small configs take ~1 ms a step and are bound by the host's Python, whose speed drifts over
+    seconds (other processes, CPU clocks); so does a GPU's clock under load. Each variant's
+    ``n`` timed steps (at least ``--reps``, and ``--min-time`` seconds at its synchronized step
+    time, at most MAX_REPS) are split into ``--rounds`` chunks, and every round runs one chunk of
+    each variant, starting one variant later each round, after an untimed warm-up round: any
+    drift is shared out over all variants instead of landing on one. Steps run back to back with
+    CUDA events around each forward and backward, as a training loop runs them (the host queues
+    one step while the GPU runs the last); a region's time is its GPU work plus any time the GPU
+    waits for a host that falls behind. A variant that runs out of memory, to build or to run,
+    is marked OOM and dropped.
+    """
+    samples = {v: Samples() for v in variants}
+    alive: dict[str, Contender] = {}
+    fresh_state(device)
+    for variant in variants:
+        try:
+            alive[variant] = build_contender(variant, shape, dtype, device, args)
+        except torch.cuda.OutOfMemoryError:
+            samples[variant].oom = True
+
+    def drop(variant: str) -> None:
+        samples[variant].oom = True
+        del alive[variant]
+        fresh_state(device)
+
+    chunk_steps = {}
+    for variant, c in list(alive.items()):
+        try:
+            measure_memory(variant, c, samples[variant], args.warmup)
+        except torch.cuda.OutOfMemoryError:
+            drop(variant)
+            continue
+        per_step = statistics.median(samples[variant].synced)
+        n = max(args.reps, min(MAX_REPS, math.ceil(args.min_time / per_step)))
+        samples[variant].chunks = min(args.rounds, n)
+        chunk_steps[variant] = math.ceil(n / samples[variant].chunks)
+
+    timers = {v: (RegionTimer(device), RegionTimer(device)) for v in alive}
+    for rnd in range(-1, args.rounds):  # round -1 warms up
+        shift = max(rnd, 0) % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            if variant not in alive or rnd >= samples[variant].chunks:
+                continue
+            try:
+                run_steps(
+                    variant,
+                    alive[variant],
+                    chunk_steps[variant],
+                    *(timers[variant] if rnd >= 0 else ()),
+                )
+            except torch.cuda.OutOfMemoryError:
+                drop(variant)
+    for variant in alive:
+        fwd, bwd = timers[variant]
+        samples[variant].fwd += fwd.times()
+        samples[variant].bwd += bwd.times()
+    alive.clear()
+    fresh_state(device)
+    return samples
 
 
 def backend_of(variant: str, shape, dtype: torch.dtype, device: torch.device) -> str:
@@ -329,30 +407,6 @@ def backend_of(variant: str, shape, dtype: torch.dtype, device: torch.device) ->
         return "aten"
     with elementwise_backend(variant):
         return elementwise_ops(device, shape.tokens * shape.intermediate_size, dtype).name
-
-
-def run_variant(variant, shape, dtype, device, args, samples: Samples, memory: bool) -> None:
-    """One round of ``variant``: build it fresh (same seed), warm it up, time it (``measure``)."""
-    fresh_state(device)
-    seed_everything(args.seed)
-    per_round = {
-        "warmup": args.warmup,
-        "reps": math.ceil(args.reps / args.rounds),
-        "min_time": args.min_time / args.rounds,
-    }
-    with elementwise_backend(variant):
-        model = build(variant, shape, dtype, device, residual=not args.no_residual)
-        gen = torch.Generator(device=device).manual_seed(args.seed)
-        size = (shape.batch_size, shape.seq_len, shape.hidden_dim)
-        x = torch.randn(size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-        dy = torch.randn(size, device=device, dtype=dtype, generator=gen)
-        try:
-            measure(model, x, dy, samples, memory=memory, **per_round)
-        except torch.cuda.OutOfMemoryError:
-            samples.oom = True
-        finally:
-            del model, x, dy
-            fresh_state(device)
 
 
 def ratio(num: float | None, den: float | None) -> float:
@@ -397,7 +451,7 @@ def main() -> None:
     if args.min_time is None:
         args.min_time = 0.0 if args.quick else 2.0
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 5
+        args.rounds = 1 if args.quick else 10
     if device.type == "cpu" and not args.quick:
         print("note: a CPU run times the PyTorch paths only and has no memory statistics")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -418,15 +472,7 @@ def main() -> None:
         )
         itemsize = torch.empty((), dtype=dtype).element_size()
         for shape in tqdm(grid, desc=f"{dtype_name} configs", unit="config"):
-            # Variants take turns, round after round, so that a stretch of host or clock noise
-            # (small configs are host-bound) is shared out instead of landing on one variant.
-            samples = {v: Samples() for v in variants}
-            for rnd in range(args.rounds):
-                for variant in variants:
-                    if not samples[variant].oom:
-                        run_variant(
-                            variant, shape, dtype, device, args, samples[variant], memory=rnd == 0
-                        )
+            samples = time_config(shape, dtype, variants, device, args)
             res = {}
             for variant in variants:
                 flops_exec = shape.gemm_flops(variant)
