@@ -6,9 +6,10 @@ variants are built once (same seed) and kept alive. Each first runs a few synchr
 before each: its own peak is the counter less what the other, idle variants hold (their times
 are logged as ``step_synced_s_*``; they also charge each step the host's latency to its first
 kernel). Then the variants take turns in ``--rounds`` rounds of short chunks of back-to-back
-steps, as a training loop runs them, with CUDA events around each forward and backward and no
-synchronize in between: at least ``--reps`` steps and ``--min-time`` seconds per variant
-(``time_config`` says why). Medians are logged and compared as ratios within this run.
+steps, as a training loop runs them, with no synchronize in between: at least ``--reps`` steps
+and ``--min-time`` seconds per variant. A step's time is its chunk's time over its steps, with
+CUDA events around each forward and backward for the split (``time_config`` says why). Medians
+are logged and compared as ratios within this run.
 Variants:
 
   reference     SwigluMLP (nn.Linear) under plain autograd
@@ -246,25 +247,27 @@ class Contender:
 class Samples:
     """Raw measurements of one variant at one config."""
 
-    fwd: list[float] = field(default_factory=list)
-    bwd: list[float] = field(default_factory=list)
+    fwd: list[float] = field(default_factory=list)  # per step, events around the forward
+    bwd: list[float] = field(default_factory=list)  # per step, events around the backward
+    step: list[float] = field(default_factory=list)  # per chunk: its time / its steps
     synced: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
     base: int = 0
     chunks: int = 0
+    chunk_steps: int = 0
     oom: bool = False
 
     def metrics(self, cuda: bool) -> dict:
         """Medians and spreads of the times, the peak memory; ``{"oom": True}`` after an OOM."""
         if self.oom:
             return {"oom": True}
-        steps = [a + c for a, c in zip(self.fwd, self.bwd, strict=True)]
         metrics = {
             **TimingStats.from_times(self.fwd).as_dict("fwd_s_"),
             **TimingStats.from_times(self.bwd).as_dict("bwd_s_"),
-            **TimingStats.from_times(steps).as_dict("step_s_"),
+            **TimingStats.from_times(self.step).as_dict("step_s_"),
             **TimingStats.from_times(self.synced).as_dict("step_synced_s_"),
             "chunks": self.chunks,
+            "chunk_steps": self.chunk_steps,
         }
         if cuda:
             metrics["peak_gib"] = max(self.peaks) / GIB
@@ -345,11 +348,16 @@ def time_config(
     ``n`` timed steps (at least ``--reps``, and ``--min-time`` seconds at its synchronized step
     time, at most MAX_REPS) are split into ``--rounds`` chunks, and every round runs one chunk of
     each variant, starting one variant later each round, after an untimed warm-up round: any
-    drift is shared out over all variants instead of landing on one. Steps run back to back with
-    CUDA events around each forward and backward, as a training loop runs them (the host queues
-    one step while the GPU runs the last); a region's time is its GPU work plus any time the GPU
-    waits for a host that falls behind. A variant that runs out of memory, to build or to run,
-    is marked OOM and dropped.
+    drift is shared out over all variants instead of landing on one.
+
+    Steps run back to back, as a training loop runs them: the host queues one step while the
+    GPU runs the last. A step's time is its chunk's time (CUDA events around the chunk, no
+    synchronize) over its steps, i.e. throughput. Events around each forward and backward give
+    the split between them; their sum is not the step time where the host bounds the step: the
+    host's work between two steps (dropping the gradients) shows on the GPU's clock only when
+    the GPU has caught up by then, which differs from variant to variant.
+
+    A variant that runs out of memory, to build or to run, is marked OOM and dropped.
     """
     samples = {v: Samples() for v in variants}
     alive: dict[str, Contender] = {}
@@ -365,7 +373,6 @@ def time_config(
         del alive[variant]
         fresh_state(device)
 
-    chunk_steps = {}
     for variant, c in list(alive.items()):
         try:
             measure_memory(variant, c, samples[variant], args.warmup)
@@ -375,27 +382,30 @@ def time_config(
         per_step = statistics.median(samples[variant].synced)
         n = max(args.reps, min(MAX_REPS, math.ceil(args.min_time / per_step)))
         samples[variant].chunks = min(args.rounds, n)
-        chunk_steps[variant] = math.ceil(n / samples[variant].chunks)
+        samples[variant].chunk_steps = math.ceil(n / samples[variant].chunks)
 
-    timers = {v: (RegionTimer(device), RegionTimer(device)) for v in alive}
+    timers = {v: (RegionTimer(device), RegionTimer(device), RegionTimer(device)) for v in alive}
     for rnd in range(-1, args.rounds):  # round -1 warms up
         shift = max(rnd, 0) % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             if variant not in alive or rnd >= samples[variant].chunks:
                 continue
+            chunk, fwd, bwd = timers[variant]
             try:
-                run_steps(
-                    variant,
-                    alive[variant],
-                    chunk_steps[variant],
-                    *(timers[variant] if rnd >= 0 else ()),
-                )
+                if rnd >= 0:
+                    chunk.start()
+                    run_steps(variant, alive[variant], samples[variant].chunk_steps, fwd, bwd)
+                    chunk.stop()
+                else:
+                    run_steps(variant, alive[variant], samples[variant].chunk_steps)
             except torch.cuda.OutOfMemoryError:
                 drop(variant)
     for variant in alive:
-        fwd, bwd = timers[variant]
-        samples[variant].fwd += fwd.times()
-        samples[variant].bwd += bwd.times()
+        chunk, fwd, bwd = timers[variant]
+        s = samples[variant]
+        s.step += [t / s.chunk_steps for t in chunk.times()]
+        s.fwd += fwd.times()
+        s.bwd += bwd.times()
     alive.clear()
     fresh_state(device)
     return samples
