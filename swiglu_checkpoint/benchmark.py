@@ -52,6 +52,7 @@ from effdl.cli import (
     run_main,
     seed_everything,
 )
+from effdl.gc_pause import gc_paused
 from effdl.models.swiglu import Checkpointed, MLPStack, SwigluMLP
 from effdl.ops.swiglu import (
     ELEMENTWISE_ENV,
@@ -268,6 +269,7 @@ class Samples:
             **TimingStats.from_times(self.synced).as_dict("step_synced_s_"),
             "chunks": self.chunks,
             "chunk_steps": self.chunk_steps,
+            "step_s_per_chunk": self.step,  # in round order, for paired comparisons
         }
         if cuda:
             metrics["peak_gib"] = max(self.peaks) / GIB
@@ -385,21 +387,25 @@ def time_config(
         samples[variant].chunk_steps = math.ceil(n / samples[variant].chunks)
 
     timers = {v: (RegionTimer(device), RegionTimer(device), RegionTimer(device)) for v in alive}
-    for rnd in range(-1, args.rounds):  # round -1 warms up
-        shift = max(rnd, 0) % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            if variant not in alive or rnd >= samples[variant].chunks:
-                continue
-            chunk, fwd, bwd = timers[variant]
-            try:
-                if rnd >= 0:
+    gc.collect()
+    # As timeit does: a cyclic collection would land on whichever variant runs then.
+    with gc_paused():
+        for rnd in range(-1, args.rounds):  # round -1 warms up
+            shift = max(rnd, 0) % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                if variant not in alive or rnd >= samples[variant].chunks:
+                    continue
+                chunk, fwd, bwd = timers[variant]
+                steps = samples[variant].chunk_steps
+                try:
+                    if rnd < 0:
+                        run_steps(variant, alive[variant], steps)
+                        continue
                     chunk.start()
-                    run_steps(variant, alive[variant], samples[variant].chunk_steps, fwd, bwd)
+                    run_steps(variant, alive[variant], steps, fwd, bwd)
                     chunk.stop()
-                else:
-                    run_steps(variant, alive[variant], samples[variant].chunk_steps)
-            except torch.cuda.OutOfMemoryError:
-                drop(variant)
+                except torch.cuda.OutOfMemoryError:
+                    drop(variant)
     for variant in alive:
         chunk, fwd, bwd = timers[variant]
         s = samples[variant]

@@ -43,7 +43,6 @@ are cast; RNN modules are not covered.
 
 from __future__ import annotations
 
-import gc
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -52,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+from effdl.gc_pause import GC_PAUSE
 
 LOW, FP32, FP32_OUT, SPECIAL = 1, 2, 3, 4
 _CASTABLE = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -248,32 +249,6 @@ class _CastingMode(TorchFunctionMode):
 _local = threading.local()
 
 
-class _GCPause:
-    """Process-wide pause of the cyclic garbage collector, counted across threads and regions:
-    the first ``acquire`` disables it (if it was on), the last ``release`` turns it back on."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._was_enabled = False
-
-    def acquire(self) -> None:
-        with self._lock:
-            if self._holders == 0:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
-            self._holders += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders == 0 and self._was_enabled:
-                gc.enable()
-
-
-_gc_pause = _GCPause()
-
-
 class Autocast:
     """Mixed precision for a region of code, without ``torch.autocast``.
 
@@ -316,7 +291,7 @@ class Autocast:
             _local.depth = 0
             _local.gc_paused = self.pause_gc
             if self.pause_gc:
-                _gc_pause.acquire()
+                GC_PAUSE.acquire()
         self._saved.append((mode.low.get(self.device_type), mode.cache_enabled))
         mode.low[self.device_type] = self.dtype if self.enabled else None
         mode.cache_enabled = self.cache_enabled
@@ -336,7 +311,7 @@ class Autocast:
             _local.mode = None
             mode.__exit__(*exc)
             if _local.gc_paused:
-                _gc_pause.release()
+                GC_PAUSE.release()
 
     def __call__(self, fn):
         """Use as a decorator: run ``fn`` inside a fresh region with these settings."""
