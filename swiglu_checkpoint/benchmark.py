@@ -61,7 +61,13 @@ from effdl.ops.swiglu import (
     elementwise_ops,
 )
 from effdl.profiling.flops import measure_copy_bandwidth, measure_matmul_tflops
-from effdl.profiling.timing import GIB, RegionTimer, TimingStats, peak_memory
+from effdl.profiling.timing import (
+    GIB,
+    RegionTimer,
+    TimingStats,
+    median_ratio_ci,
+    peak_memory,
+)
 from effdl.results import RunLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,7 +89,7 @@ VARIANTS = [
     "level0_triton",
 ]
 MEMORY_STEPS = 3
-MAX_REPS = 1000
+MAX_REPS = 4000
 
 # GEMMs of 2*N*H*I FLOPs per layer and step: 3 forward + 6 backward, plus the recomputed ones.
 GEMMS = {
@@ -171,21 +177,21 @@ def parse_args():
     )
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], help=f"of {list(DTYPES)}")
     p.add_argument("--variants", nargs="+", default=VARIANTS, help=f"subset of {VARIANTS}")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the memory steps")
-    p.add_argument("--reps", type=int, default=8, help="timed steps, at least")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before the memory steps")
+    p.add_argument("--reps", type=int, default=5, help="timed steps, at least")
     p.add_argument(
         "--rounds",
         type=int,
         default=None,
         help="variants take turns this many times per config, each round a chunk of its "
-        "timed steps (default 10; 1 with --quick)",
+        "timed steps (default 20; 3 with --quick)",
     )
     p.add_argument(
         "--min-time",
         type=float,
         default=None,
         help="seconds of timed steps per variant, at its synchronized step time "
-        "(default 2; 0 with --quick)",
+        "(default 3; 0 with --quick)",
     )
     p.add_argument("--no-residual", action="store_true", help="bare stack: x = mlp(x)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
@@ -435,10 +441,16 @@ def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict], ceiling: fl
     t = {v: m.get("step_s_median") for v, m in res.items()}
     mem = {v: m.get("peak_gib") for v, m in res.items()}
     level0 = res.get("level0", {})
+    chunks = {v: m.get("step_s_per_chunk") for v, m in res.items()}
+    lo = hi = float("nan")
+    if chunks.get("level0") and chunks.get("reference"):
+        lo, hi = median_ratio_ci(chunks["level0"], chunks["reference"])
     return {
         "config": shape.label,
         "dtype": dtype_name,
         "l0/ref time": ratio(t.get("level0"), t.get("reference")),
+        "l0/ref 90% CI lo": lo,  # bootstrap over the chunks: the run's own noise
+        "l0/ref 90% CI hi": hi,
         "l0/ref mem": ratio(mem.get("level0"), mem.get("reference")),
         "l1/ckpt mem": ratio(mem.get("level1"), mem.get("checkpoint")),
         "l1/l0 time": ratio(t.get("level1"), t.get("level0")),
@@ -465,9 +477,9 @@ def main() -> None:
     if args.quick:
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
     if args.min_time is None:
-        args.min_time = 0.0 if args.quick else 2.0
+        args.min_time = 0.0 if args.quick else 3.0
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 10
+        args.rounds = 3 if args.quick else 20
     if device.type == "cpu" and not args.quick:
         print("note: a CPU run times the PyTorch paths only and has no memory statistics")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32

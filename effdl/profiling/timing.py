@@ -9,8 +9,10 @@ lazy initialisation (cuBLAS handles, autotuning, allocator growth) stays out of 
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -52,6 +54,32 @@ class TimingStats:
     def as_dict(self, prefix: str = "") -> dict[str, float | int]:
         """Flat dict for a results record, e.g. ``{"step_s_median": ...}`` with prefix ``step_s_``."""
         return {f"{prefix}{k}": v for k, v in asdict(self).items()}
+
+
+def median_ratio_ci(
+    num: list[float], den: list[float], level: float = 0.9, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """Bootstrap confidence interval of ``median(num) / median(den)`` (two independent samples).
+
+    Resamples each list with replacement ``resamples`` times (a fixed seed: the same data give
+    the same interval) and returns the central ``level`` quantiles of the resampled ratios. Where
+    samples are noisy (host-bound steps), this says whether a ratio's distance from 1 means more
+    than the run's own noise.
+    """
+    if not num or not den:
+        raise ValueError("median_ratio_ci needs two non-empty samples")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1); got {level}")
+    rng = random.Random(seed)
+    ratios = sorted(
+        statistics.median(rng.choices(num, k=len(num)))
+        / statistics.median(rng.choices(den, k=len(den)))
+        for _ in range(resamples)
+    )
+    tail = (1 - level) / 2
+    lo = ratios[int(tail * (resamples - 1))]
+    hi = ratios[math.ceil((1 - tail) * (resamples - 1))]
+    return lo, hi
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:

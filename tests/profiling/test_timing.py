@@ -1,4 +1,5 @@
 import math
+import random
 import statistics
 import time
 
@@ -10,6 +11,7 @@ from effdl.profiling.timing import (
     TimingStats,
     benchmark,
     environment,
+    median_ratio_ci,
     peak_memory,
     resolve_device,
 )
@@ -118,3 +120,20 @@ def test_peak_memory_cuda_sees_region_allocation():
 def test_resolve_device_gives_cuda_an_index():
     assert resolve_device("cuda").index == torch.cuda.current_device()
     assert resolve_device("auto").index is not None
+
+
+def test_median_ratio_ci_brackets_the_ratio_and_scales_with_it():
+    rng = random.Random(1)
+    den = [1.0 + 0.1 * rng.gauss(0, 1) for _ in range(30)]
+    num = [0.8 + 0.08 * rng.gauss(0, 1) for _ in range(30)]
+    lo, hi = median_ratio_ci(num, den)
+    point = statistics.median(num) / statistics.median(den)
+    assert lo < point < hi
+    assert hi < 1.0  # a 20% gap is well outside 10% noise with 30 samples each
+    assert median_ratio_ci(num, den) == (lo, hi)  # seeded: reproducible
+    lo2, hi2 = median_ratio_ci([2 * v for v in num], den)  # same resamples, ratio doubled
+    assert lo2 == pytest.approx(2 * lo) and hi2 == pytest.approx(2 * hi)
+    wide = median_ratio_ci(num[:5], den[:5])
+    assert wide[1] - wide[0] > hi - lo  # fewer samples, wider interval
+    with pytest.raises(ValueError, match="non-empty"):
+        median_ratio_ci([], den)
