@@ -27,7 +27,7 @@ Achieved TFLOP/s is set against a dense GEMM ceiling measured in this same run
 FLOPs at that ceiling plus its elementwise bytes at the measured copy bandwidth.
 
     python swiglu_checkpoint/benchmark.py --quick --device cpu     # smoke run, < 1 min on a CPU
-    python swiglu_checkpoint/benchmark.py --device cuda            # full grid, ~9 min on an H100
+    python swiglu_checkpoint/benchmark.py --device cuda            # full grid, ~7 min on an H100
 """
 
 from __future__ import annotations

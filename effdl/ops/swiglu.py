@@ -117,8 +117,8 @@ TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 # CUDA. A Triton launch costs tens of microseconds of Python, more than the PyTorch launches it
 # replaces, so fusion pays only once the GPU, not the CPU, bounds the step. Level-0 step time,
 # Triton over PyTorch path, on one H100 (reports/results/swiglu/h100_benchmark.jsonl): bf16
-# 1.10-1.18x from 4.2 M to 16.8 M elements, 0.92-0.96x from 33.5 M up; fp32 GEMMs without TF32
-# run 15x slower, so fp32 steps turn GPU-bound earlier: 0.99x at 4.2 M, 0.94-1.00x above.
+# 1.05-1.21x from 4.2 M to 16.8 M elements, 0.86-0.96x from 33.5 M up; fp32 GEMMs without TF32
+# run 15x slower, so fp32 steps turn GPU-bound earlier: 0.94-0.97x from 4.2 M, 0.99x above.
 # The kernels compute in fp32, so dtypes not listed (float64) stay on the PyTorch path.
 TRITON_MIN_ELEMENTS: dict[torch.dtype, int] = {
     torch.bfloat16: 1 << 25,

@@ -65,7 +65,9 @@ for bs, seq, h, i, n in ((16, 128, 512, 2048, 2), (32, 128, 512, 2048, 2), (8, 5
                 per_name[e.name[:60]] += e.device_time / 20 / 1e3
         gpu = sum(per_name.values())
         w = st.median(wall[k])
-        print(f"{k:14s} wall/step {w:.3f} ms (min {min(wall[k]):.3f})  GPU kernels {gpu:.3f} ms  busy {gpu / w:.2f}")
+        print(
+            f"{k:14s} wall/step {w:.3f} ms (min {min(wall[k]):.3f})  GPU kernels {gpu:.3f} ms  busy {gpu / w:.2f}"
+        )
         for name, t in sorted(per_name.items(), key=lambda kv: -kv[1])[:8]:
             print(f"      {t * 1e3:8.1f} us  {name}")
     ref = st.median(wall["reference"])
