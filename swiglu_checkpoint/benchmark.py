@@ -9,8 +9,8 @@ kernel). Then the variants take turns in ``--rounds`` rounds of short chunks of 
 steps, as a training loop runs them, with no synchronize in between: at least ``--reps`` steps
 and ``--min-time`` seconds per variant. A step's time is its chunk's time over its steps, with
 CUDA events around each forward and backward for the split (``time_config`` says why). Medians
-are logged and compared as ratios within this run.
-Variants:
+are logged and compared as ratios within this run, with a bootstrap interval for level 0 over the
+reference (``effdl.profiling.timing.median_ratio_ci`` over the chunks). Variants:
 
   reference     SwigluMLP (nn.Linear) under plain autograd
   checkpoint    the same module inside torch.utils.checkpoint(use_reentrant=False), per layer
