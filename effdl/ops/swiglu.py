@@ -114,15 +114,19 @@ def _torch_gate_backward(
 TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 
 # Smallest (N x I) element count per dtype at which ``auto`` takes the fused Triton kernels on
-# CUDA. A Triton launch costs tens of microseconds of Python, more than the PyTorch launches it
-# replaces, so fusion pays only once the GPU, not the CPU, bounds the step. Level-0 step time,
-# Triton over PyTorch path, on one H100 (reports/results/swiglu/h100_benchmark.jsonl): bf16
-# 1.05-1.21x from 4.2 M to 16.8 M elements, 0.86-0.96x from 33.5 M up; fp32 GEMMs without TF32
-# run 15x slower, so fp32 steps turn GPU-bound earlier: 0.94-0.97x from 4.2 M, 0.99x above.
-# The kernels compute in fp32, so dtypes not listed (float64) stay on the PyTorch path.
+# CUDA. The fused path moves half the bytes of the PyTorch path (8 passes over (N x I) per step
+# and layer against 16 at level 0) but a Triton launch costs about twice an aten launch in Python
+# (reports/results/swiglu/probes/launch_overhead_probe.log), so it pays once the GPU, not the
+# host, bounds the step. Level-0 step time, Triton over PyTorch path, on one H100
+# (reports/results/swiglu/runs_session11/): bf16 at 4.2 M and 8.4 M elements 1.03-1.21x (host-
+# bound); at 16.8 M 0.86x where the host kept up with the GPU and 1.08x within a noisy host's
+# spread (the only difference beyond a run's noise there is the former); 0.86-0.96x from 33.5 M
+# up. fp32 GEMMs without TF32 run 15x slower, so fp32 steps turn GPU-bound earlier: 0.94-0.97x
+# from 4.2 M, 0.99x above. The kernels compute in fp32, so dtypes not listed (float64) stay on
+# the PyTorch path.
 TRITON_MIN_ELEMENTS: dict[torch.dtype, int] = {
-    torch.bfloat16: 1 << 25,
-    torch.float16: 1 << 25,
+    torch.bfloat16: 1 << 24,
+    torch.float16: 1 << 24,
     torch.float32: 1 << 22,
 }
 
