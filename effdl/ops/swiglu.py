@@ -117,16 +117,16 @@ TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 # CUDA. The fused path moves half the bytes of the PyTorch path (8 passes over (N x I) per step
 # and layer against 16 at level 0) but a Triton launch costs about twice an aten launch in Python
 # (reports/results/swiglu/probes/launch_overhead_probe.log), so it pays once the GPU, not the
-# host, bounds the step. Level-0 step time, Triton over PyTorch path, on one H100
-# (reports/results/swiglu/runs_session11/): bf16 at 4.2 M and 8.4 M elements 1.03-1.21x (host-
-# bound); at 16.8 M 0.86x where the host kept up with the GPU and 1.08x within a noisy host's
-# spread (the only difference beyond a run's noise there is the former); 0.86-0.96x from 33.5 M
-# up. fp32 GEMMs without TF32 run 15x slower, so fp32 steps turn GPU-bound earlier: 0.94-0.97x
-# from 4.2 M, 0.99x above. The kernels compute in fp32, so dtypes not listed (float64) stay on
-# the PyTorch path.
+# host, bounds the step. Level-0 step time, Triton over PyTorch path, on one H100 (full runs under
+# reports/results/swiglu/): bf16 at 4.2 M and 8.4 M elements 1.03-1.21x (host-bound); at 16.8 M
+# it depends on the host: 0.86x on the one host that kept up with the GPU, 1.08-1.09x on the
+# slower ones, where the step is host-bound (the PyTorch path, taken here, loses less in the
+# worst case); 0.86-0.96x from 33.5 M up. fp32 GEMMs without TF32 run 15x slower, so fp32 steps
+# turn GPU-bound earlier: 0.94-0.97x from 4.2 M, 0.99x above. The kernels compute in fp32, so
+# dtypes not listed (float64) stay on the PyTorch path.
 TRITON_MIN_ELEMENTS: dict[torch.dtype, int] = {
-    torch.bfloat16: 1 << 24,
-    torch.float16: 1 << 24,
+    torch.bfloat16: 1 << 25,
+    torch.float16: 1 << 25,
     torch.float32: 1 << 22,
 }
 
