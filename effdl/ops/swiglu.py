@@ -119,7 +119,7 @@ TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 # (reports/results/swiglu/probes/launch_overhead_probe.log), so it pays once the GPU, not the
 # host, bounds the step. Level-0 step time, Triton over PyTorch path, on one H100 (full runs under
 # reports/results/swiglu/): bf16 at 4.2 M and 8.4 M elements 1.03-1.21x (host-bound); at 16.8 M
-# it depends on the host: 0.86x on the one host that kept up with the GPU, 1.08-1.09x on the
+# it depends on the host: 0.86x on the one host that kept up with the GPU, 1.08-1.11x on the
 # slower ones, where the step is host-bound (the PyTorch path, taken here, loses less in the
 # worst case); 0.86-0.96x from 33.5 M up. fp32 GEMMs without TF32 run 15x slower, so fp32 steps
 # turn GPU-bound earlier: 0.94-0.97x from 4.2 M, 0.99x above. The kernels compute in fp32, so
