@@ -16,9 +16,12 @@ reference (``effdl.profiling.timing.median_ratio_ci`` over the chunks). Variants
   checkpoint    the same module inside torch.utils.checkpoint(use_reentrant=False), per layer
   level0/1/2    MemoryOptimizedSwigluMLP at CheckpointLevel 0 (save all), 1 (recompute all),
                 2 (save xW and xV, recompute the elementwise part)
-  level0_torch  level 0 forced onto the PyTorch elementwise path, and
-  level0_triton level 0 forced onto the fused Triton kernels (CUDA only: what the fusion buys
-                at each size, the data behind effdl.ops.swiglu.TRITON_MIN_ELEMENTS)
+  level0_torch  level 0 forced onto the PyTorch elementwise path (CUDA only: what one kernel
+                per elementwise step buys over aten's chain)
+  level0_jiterator, level0_triton
+                level 0 forced onto the jiterator / Triton kernels (CUDA only: the two fused
+                paths compared at each size, the data behind
+                effdl.ops.swiglu.TRITON_MIN_ELEMENTS)
 
 The stack is residual by default (x + mlp(x) per layer, keeping activations at unit scale across
 random layers); --no-residual stacks the layers bare, as in the assignment's test model.
@@ -76,9 +79,14 @@ LEVEL_VARIANTS = {
     "level1": CheckpointLevel.RECOMPUTE_ALL,
     "level2": CheckpointLevel.RECOMPUTE_ELEMENTWISE,
     "level0_torch": CheckpointLevel.SAVE_ALL,
+    "level0_jiterator": CheckpointLevel.SAVE_ALL,
     "level0_triton": CheckpointLevel.SAVE_ALL,
 }
-FORCED_BACKEND = {"level0_torch": "torch", "level0_triton": "triton"}
+FORCED_BACKEND = {
+    "level0_torch": "torch",
+    "level0_jiterator": "jiterator",
+    "level0_triton": "triton",
+}
 VARIANTS = [
     "reference",
     "checkpoint",
@@ -86,6 +94,7 @@ VARIANTS = [
     "level2",
     "level1",
     "level0_torch",
+    "level0_jiterator",
     "level0_triton",
 ]
 MEMORY_STEPS = 3
@@ -99,15 +108,18 @@ GEMMS = {
     "level2": 9,
     "level1": 11,
     "level0_torch": 9,
+    "level0_jiterator": 9,
     "level0_triton": 9,
 }
 # Elementwise traffic per layer and step, in passes over an (N x I) tensor (one read or write).
 # aten (reference): silu 2 + mul 3 forward, mul-backward 6 + silu-backward 3; checkpoint re-runs
 # the forward pair. Fused Triton: gate 3; backward 5, or 6 when it also rebuilds g for dU.
+# jiterator: gate 3; backward 5, after a separate gate (3) where g is rebuilt for dU.
 # PyTorch path: gate = silu 2 + mul_ 3; backward = silu 2 + silu_backward 3 + 2 muls 6 (+3 for g).
 PASSES = {
     "aten": {"reference": 14, "checkpoint": 19},
     "triton": {"level0": 8, "level2": 9, "level1": 9},
+    "jiterator": {"level0": 8, "level2": 11, "level1": 11},
     "torch": {"level0": 16, "level2": 19, "level1": 19},
 }
 
@@ -137,7 +149,7 @@ class Shape:
         return GEMMS[variant] * 2 * n * h * i * self.num_layers
 
     def elementwise_bytes(self, variant: str, backend: str, itemsize: int) -> int:
-        passes = PASSES[backend][variant.removesuffix("_torch").removesuffix("_triton")]
+        passes = PASSES[backend][variant.split("_")[0]]
         return passes * self.tokens * self.intermediate_size * itemsize * self.num_layers
 
 
@@ -200,7 +212,7 @@ def parse_args():
 
 @contextmanager
 def elementwise_backend(variant: str) -> Iterator[None]:
-    """Force the elementwise path of ``level0_torch`` / ``level0_triton``; leave the default
+    """Force the elementwise path of the ``level0_<backend>`` variants; leave the default
     otherwise."""
     if variant not in FORCED_BACKEND:
         yield
@@ -424,7 +436,8 @@ def time_config(
 
 
 def backend_of(variant: str, shape, dtype: torch.dtype, device: torch.device) -> str:
-    """Which elementwise code a variant runs: aten (autograd's own kernels), triton or torch."""
+    """Which elementwise code a variant runs: aten (autograd's own kernels), or the name of its
+    effdl backend (torch, jiterator, triton)."""
     if variant not in LEVEL_VARIANTS:
         return "aten"
     with elementwise_backend(variant):

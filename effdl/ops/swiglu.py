@@ -5,7 +5,8 @@
 ``(hidden, intermediate)`` and ``U`` of shape ``(intermediate, hidden)`` (the transposes of the
 ``nn.Linear`` weights of :class:`effdl.models.swiglu.SwigluMLP`). ``checkpoint_level`` trades
 memory for recomputation (:class:`CheckpointLevel`). The elementwise part (``silu(a) * b`` and
-its backward) runs as one fused Triton kernel on CUDA for large tensors and as a short chain of
+its backward) runs as one fused Triton kernel on CUDA for large tensors, as one
+``torch.cuda.jiterator`` kernel (cheaper to launch) for small ones on CUDA, and as a short chain of
 in-place PyTorch ops elsewhere; :func:`elementwise_ops` is the one place that chooses.
 
 At small sizes a training step is bound by CPU dispatch, not by the GPU, so the per-call Python
@@ -78,17 +79,21 @@ _LEVEL_OF_VALUE = {m.value: m for m in CheckpointLevel}
 class ElementwiseOps:
     """The elementwise half of the layer, one implementation per backend.
 
-    ``gate(a, b, inplace)`` returns ``g = silu(a) * b``; with ``inplace`` it is written into
+    ``gate(a, b, inplace)`` returns ``g = silu(a) * b``; with ``inplace`` it may be written into
     ``a``'s storage. ``gate_backward(a, b, dg, want_g, ab_scratch)`` returns
     ``(da, db, g or None)`` with ``da = dg * b * silu'(a)``, ``db = dg * silu(a)``; ``dg`` is
-    always consumed (its storage may hold an output), and ``a``, ``b`` are consumed too when
+    always consumed (its storage may hold an output), and ``a``, ``b`` may be consumed too when
     ``ab_scratch`` (otherwise they are left untouched, e.g. because they are saved tensors that a
     second backward may read). Inputs are contiguous tensors of one shape and dtype.
+    ``gate_backward_gives_g`` is False for a backend that writes nothing in place: its
+    ``(da, db, g)`` would hold two more (N x I) buffers at once, so the caller builds ``g`` with
+    ``gate`` beforehand and drops it before calling ``gate_backward``.
     """
 
     name: str
     gate: Callable[..., torch.Tensor]
     gate_backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    gate_backward_gives_g: bool = True
 
 
 def _torch_gate(a: torch.Tensor, b: torch.Tensor, *, inplace: bool) -> torch.Tensor:
@@ -132,6 +137,21 @@ TRITON_MIN_ELEMENTS: dict[torch.dtype, int] = {
 
 
 @functools.cache
+def _jiterator_ops() -> ElementwiseOps | None:
+    """The ``torch.cuda.jiterator`` backend, or None where this PyTorch build lacks jiterator."""
+    try:
+        from effdl.ops import swiglu_jiterator
+    except ImportError:
+        return None
+    return ElementwiseOps(
+        "jiterator",
+        swiglu_jiterator.gate,
+        swiglu_jiterator.gate_backward,
+        gate_backward_gives_g=False,
+    )
+
+
+@functools.cache
 def _triton_ops() -> ElementwiseOps | None:
     """The fused Triton backend, or None where Triton does not import (tried once, then cached:
     a failed import is not cached by Python and would search the path again on every call)."""
@@ -148,28 +168,32 @@ def elementwise_ops(
     """The elementwise backend for ``numel`` elements of ``dtype`` on ``device``: the only place
     that chooses.
 
-    ``$EFFDL_SWIGLU_ELEMENTWISE`` = ``auto`` (default), ``torch`` or ``triton`` (forced; an
-    ImportError if Triton is missing). ``auto`` takes Triton on CUDA when it imports and the
-    (N x I) tensors hold at least ``TRITON_MIN_ELEMENTS[dtype]`` elements, PyTorch otherwise;
+    ``$EFFDL_SWIGLU_ELEMENTWISE`` = ``auto`` (default), or ``torch``, ``jiterator``, ``triton``
+    (forced; an ImportError if that backend is missing). ``auto`` takes, on CUDA, Triton where
+    it imports and the (N x I) tensors hold at least ``TRITON_MIN_ELEMENTS[dtype]`` elements,
+    jiterator below that, and PyTorch ops for dtypes not listed there (float64) and off CUDA;
     ``numel`` or ``dtype`` left None drops that part of the test (the answer for large tensors
     of a dtype Triton serves). The variable is read at every call, so a benchmark can compare
-    the two paths in one process.
+    the paths in one process.
     """
     choice = os.environ.get(ELEMENTWISE_ENV, "auto")
     if choice == "auto":
         if device.type != "cuda":
             return TORCH_OPS
         threshold = 0 if dtype is None else TRITON_MIN_ELEMENTS.get(dtype)
-        if threshold is None or (numel is not None and numel < threshold):
+        if threshold is None:
             return TORCH_OPS
-        return _triton_ops() or TORCH_OPS
+        small = numel is not None and numel < threshold
+        return (None if small else _triton_ops()) or _jiterator_ops() or TORCH_OPS
     if choice == "torch":
         return TORCH_OPS
-    if choice != "triton":
-        raise ValueError(f"${ELEMENTWISE_ENV} must be auto, torch or triton; got {choice!r}")
-    ops = _triton_ops()
+    if choice not in ("jiterator", "triton"):
+        raise ValueError(
+            f"${ELEMENTWISE_ENV} must be auto, torch, jiterator or triton; got {choice!r}"
+        )
+    ops = _jiterator_ops() if choice == "jiterator" else _triton_ops()
     if ops is None:
-        raise ImportError(f"${ELEMENTWISE_ENV}=triton, but triton does not import here")
+        raise ImportError(f"${ELEMENTWISE_ENV}={choice}, but {choice} does not import here")
     return ops
 
 
@@ -216,7 +240,7 @@ def _backward(ctx, dy: torch.Tensor):
     need_x, need_W, need_V, need_U = ctx.needs_input_grad[:4]
     need_gate = need_x or need_W or need_V
     recompute, ops = ctx.recompute, ctx.ops
-    dx = dW = dV = dU = None
+    dx = dW = dV = None
 
     # The engine runs backward under the autocast state of the .backward() call, not of the
     # forward, so it is checked here again.
@@ -226,17 +250,21 @@ def _backward(ctx, dy: torch.Tensor):
         if recompute:
             a = torch.mm(x2, W)
             b = torch.mm(x2, V)
+        dU = None
+        if need_U and g is None and not (need_gate and ops.gate_backward_gives_g):
+            # g is rebuilt on its own, used and dropped before the gate backward's outputs exist
+            g = ops.gate(a, b, inplace=recompute and not need_gate)
+            dU = torch.mm(g.t(), dy2)
+            g = None
         if need_gate:
             dg = torch.mm(dy2, U.t())
             da, db, g_new = ops.gate_backward(
-                a, b, dg, want_g=need_U and g is None, ab_scratch=recompute
+                a, b, dg, want_g=need_U and dU is None and g is None, ab_scratch=recompute
             )
             g = g if g is not None else g_new
             del dg, g_new
-        elif g is None:
-            g = ops.gate(a, b, inplace=recompute)
         del a, b  # recomputed buffers are free from here on (saved ones live with ctx)
-        if need_U:
+        if need_U and dU is None:
             dU = torch.mm(g.t(), dy2)
         del g
         if need_gate:

@@ -90,12 +90,37 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
+def _out_of_place_gate(a, b, *, inplace):
+    return torch.nn.functional.silu(a) * b
+
+
+def _out_of_place_gate_backward(a, b, dg, *, want_g, ab_scratch):
+    assert not want_g, "a backend that writes nothing in place is not asked for g"
+    s = torch.sigmoid(a)
+    return dg * b * s * (1 + a * (1 - s)), dg * a * s, None
+
+
+# A CPU stand-in for the jiterator backend: new outputs only, g built by the caller.
+OUT_OF_PLACE_OPS = ElementwiseOps(
+    "jiterator", _out_of_place_gate, _out_of_place_gate_backward, gate_backward_gives_g=False
+)
+
+
+@pytest.fixture(params=["torch", "out_of_place"])
+def backend(request, monkeypatch):
+    """Runs a test on the PyTorch path and on a backend that writes nothing in place (the
+    jiterator one's contract, whose backward builds g before dA, dB)."""
+    if request.param == "out_of_place":
+        monkeypatch.setattr(swiglu, "elementwise_ops", lambda *args: OUT_OF_PLACE_OPS)
+    return request.param
+
+
 # --------------------------------------------------------------------------- gradients
 
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_gradcheck_float64(level, contiguous):
+def test_gradcheck_float64(level, contiguous, backend):
     gen = torch.Generator().manual_seed(0)
     x = make_x((3, 2, 6), torch.float64, contiguous=contiguous).requires_grad_(True)
     W, V = (torch.randn(6, 10, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -162,7 +187,7 @@ def test_weights_as_transposed_views_of_reference(level):
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("trainable", ["weights_only", "x_only", "U_only", "W_and_x"])
-def test_needs_input_grad(level, trainable):
+def test_needs_input_grad(level, trainable, backend):
     ref, opt = make_pair(level)
     want = {
         "weights_only": {"W", "V", "U"},
@@ -184,7 +209,7 @@ def test_needs_input_grad(level, trainable):
             assert grad is None, f"{name} got a gradient nobody asked for"
 
 
-def test_retain_graph_second_backward_gives_same_grads():
+def test_retain_graph_second_backward_gives_same_grads(backend):
     """Saved tensors are not overwritten by backward, so a retained graph can be reused."""
     for level in LEVELS:
         _, opt = make_pair(level)
@@ -417,9 +442,11 @@ FAKE_TRITON = ElementwiseOps("triton", TORCH_OPS.gate, TORCH_OPS.gate_backward)
 
 @pytest.fixture
 def triton_present(monkeypatch):
-    """``auto`` as on a CUDA machine where Triton imports (a stand-in, so no import here)."""
+    """``auto`` as on a CUDA machine where Triton and jiterator import (stand-ins, so nothing is
+    imported or compiled here)."""
     monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
     monkeypatch.setattr(swiglu, "_triton_ops", lambda: FAKE_TRITON)
+    monkeypatch.setattr(swiglu, "_jiterator_ops", lambda: OUT_OF_PLACE_OPS)
 
 
 def test_backend_choice(monkeypatch):
@@ -436,7 +463,8 @@ def test_backend_choice(monkeypatch):
 @pytest.mark.parametrize("dtype", list(TRITON_MIN_ELEMENTS), ids=str)
 def test_auto_takes_triton_from_the_threshold_up(triton_present, dtype):
     threshold = TRITON_MIN_ELEMENTS[dtype]
-    assert elementwise_ops(CUDA, threshold - 1, dtype) is TORCH_OPS
+    assert elementwise_ops(CUDA, threshold - 1, dtype) is OUT_OF_PLACE_OPS
+    assert elementwise_ops(CUDA, 1, dtype) is OUT_OF_PLACE_OPS
     assert elementwise_ops(CUDA, threshold, dtype) is FAKE_TRITON
     assert elementwise_ops(CUDA, 64 * threshold, dtype) is FAKE_TRITON
     assert elementwise_ops(CUDA, None, dtype) is FAKE_TRITON  # size unknown: the large answer
@@ -466,8 +494,8 @@ def test_auto_picks_the_path_measured_faster(triton_present, tokens, inter, dtyp
     assert elementwise_ops(CUDA, tokens * inter, dtype).name == faster
 
 
-def test_auto_keeps_float64_off_triton(triton_present):
-    """The kernels compute in fp32: float64 would silently lose precision there."""
+def test_auto_keeps_float64_off_triton_and_jiterator(triton_present):
+    """Both fused backends compute in fp32: float64 would silently lose precision there."""
     assert elementwise_ops(CUDA, 1 << 30, torch.float64) is TORCH_OPS
 
 
@@ -475,13 +503,18 @@ def test_forced_backend_ignores_size_and_dtype(triton_present, monkeypatch):
     monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
     assert elementwise_ops(CUDA, 1, torch.bfloat16) is FAKE_TRITON
     assert elementwise_ops(CUDA, 1, torch.float64) is FAKE_TRITON
+    monkeypatch.setenv(ELEMENTWISE_ENV, "jiterator")
+    assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is OUT_OF_PLACE_OPS
     monkeypatch.setenv(ELEMENTWISE_ENV, "torch")
     assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is TORCH_OPS
 
 
-def test_missing_triton(monkeypatch):
+def test_missing_triton_and_jiterator(monkeypatch):
     monkeypatch.setattr(swiglu, "_triton_ops", lambda: None)
+    monkeypatch.setattr(swiglu, "_jiterator_ops", lambda: OUT_OF_PLACE_OPS)
     monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
+    assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is OUT_OF_PLACE_OPS
+    monkeypatch.setattr(swiglu, "_jiterator_ops", lambda: None)
     assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is TORCH_OPS
     monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
     with pytest.raises(ImportError, match=f"{ELEMENTWISE_ENV}=triton"):
@@ -548,17 +581,17 @@ def test_triton_kernels_in_interpreter_match_float64_math():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("cuda_backend", ["triton", "jiterator", "torch"])
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
 )
-def test_cuda_matches_reference(backend, level, dtype, monkeypatch):
-    if backend == "triton":
+def test_cuda_matches_reference(cuda_backend, level, dtype, monkeypatch):
+    if cuda_backend == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setenv(ELEMENTWISE_ENV, backend)
+    monkeypatch.setenv(ELEMENTWISE_ENV, cuda_backend)
     ref, opt = make_pair(level, dtype, device="cuda")
-    assert elementwise_ops(opt.W.device).name == backend
+    assert elementwise_ops(opt.W.device).name == cuda_backend
     for contiguous in (True, False):
         x = make_x((4, 33, HIDDEN), dtype, device="cuda", contiguous=contiguous)
         dy = make_x((4, 33, HIDDEN), dtype, device="cuda", seed=2)
@@ -592,13 +625,37 @@ def test_cuda_triton_kernels_match_torch_path():
 
 
 @pytest.mark.gpu
+def test_cuda_jiterator_kernels_match_torch_path():
+    from effdl.ops import swiglu_jiterator as J
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        a, b, dg = (
+            torch.randn(1000, 3001, device="cuda", dtype=dtype, generator=gen) * 4 for _ in "abc"
+        )
+        exp = TORCH_OPS.gate_backward(
+            a.double(), b.double(), dg.double(), want_g=True, ab_scratch=False
+        )
+        inputs = [t.clone() for t in (a, b, dg)]
+        got = J.gate_backward(a, b, dg, want_g=True, ab_scratch=True)
+        for g, e in zip(got, exp, strict=True):
+            assert g.dtype == dtype
+            assert_rel_close(g, e, tol, f"backward {dtype}")
+        assert all(torch.equal(t, u) for t, u in zip(inputs, (a, b, dg), strict=True))
+        assert J.gate_backward(a, b, dg, want_g=False, ab_scratch=False)[2] is None
+        assert_rel_close(J.gate(a, b, inplace=True), exp[2], tol, f"gate {dtype}")
+        assert J.gate(a[:0], b[:0], inplace=False).shape == (0, 3001)
+
+
+@pytest.mark.gpu
 def test_cuda_auto_backend_by_size(monkeypatch):
-    """The real chooser on CUDA (Triton imported): PyTorch below the threshold, Triton from it."""
+    """The real chooser on CUDA (Triton imported): jiterator below the threshold, Triton from it."""
     pytest.importorskip("triton")
     monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
     for dtype, threshold in TRITON_MIN_ELEMENTS.items():
-        assert elementwise_ops(CUDA, threshold - 1, dtype).name == "torch", dtype
+        assert elementwise_ops(CUDA, threshold - 1, dtype).name == "jiterator", dtype
         assert elementwise_ops(CUDA, threshold, dtype).name == "triton", dtype
+    assert elementwise_ops(CUDA, 1, torch.float64).name == "torch"
 
 
 def _cuda_step_peak(stack: torch.nn.Module, x: torch.Tensor) -> int:
@@ -612,8 +669,12 @@ def _cuda_step_peak(stack: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 @pytest.mark.gpu
-def test_cuda_peak_memory_order():
+@pytest.mark.parametrize("cuda_backend", ["auto", "triton", "jiterator", "torch"])
+def test_cuda_peak_memory_order(cuda_backend, monkeypatch):
     """Level 0 peaks no higher than the reference, level 1 no higher than torch.utils.checkpoint."""
+    if cuda_backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv(ELEMENTWISE_ENV, cuda_backend)
     hidden, inter, layers = 256, 1024, 4
     torch.manual_seed(0)
     refs = [SwigluMLP(hidden, inter, device="cuda") for _ in range(layers)]
