@@ -10,7 +10,7 @@ steps, as a training loop runs them, with no synchronize in between: at least ``
 and ``--min-time`` seconds per variant. A step's time is its chunk's time over its steps, with
 CUDA events around each forward and backward for the split (``time_config`` says why). Medians
 are logged and compared as ratios within this run, with a bootstrap interval for level 0 over the
-reference (``effdl.profiling.timing.median_ratio_ci`` over the chunks). Variants:
+reference (``effdl.profiling.timing.median_ratio_ci`` over the chunks, paired by round). Variants:
 
   reference     SwigluMLP (nn.Linear) under plain autograd
   checkpoint    the same module inside torch.utils.checkpoint(use_reentrant=False), per layer
@@ -97,6 +97,7 @@ VARIANTS = [
     "level0_jiterator",
     "level0_triton",
 ]
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "level0_torch"]  # CUDA's fallback path only
 MEMORY_STEPS = 3
 MAX_REPS = 4000
 
@@ -188,7 +189,12 @@ def parse_args():
         help="batch,seq,hidden,intermediate,layers entries; default: the built-in grid",
     )
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], help=f"of {list(DTYPES)}")
-    p.add_argument("--variants", nargs="+", default=VARIANTS, help=f"subset of {VARIANTS}")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=DEFAULT_VARIANTS,
+        help=f"subset of {VARIANTS} (default: all but level0_torch)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the memory steps")
     p.add_argument("--reps", type=int, default=5, help="timed steps, at least")
     p.add_argument(
@@ -196,7 +202,7 @@ def parse_args():
         type=int,
         default=None,
         help="variants take turns this many times per config, each round a chunk of its "
-        "timed steps (default 20; 3 with --quick)",
+        "timed steps (default 100; 3 with --quick)",
     )
     p.add_argument(
         "--min-time",
@@ -457,7 +463,9 @@ def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict], ceiling: fl
     chunks = {v: m.get("step_s_per_chunk") for v, m in res.items()}
     lo = hi = float("nan")
     if chunks.get("level0") and chunks.get("reference"):
-        lo, hi = median_ratio_ci(chunks["level0"], chunks["reference"])
+        # chunk i of each ran in round i: paired where both ran the same rounds
+        paired = len(chunks["level0"]) == len(chunks["reference"])
+        lo, hi = median_ratio_ci(chunks["level0"], chunks["reference"], paired=paired)
     return {
         "config": shape.label,
         "dtype": dtype_name,
@@ -492,7 +500,7 @@ def main() -> None:
     if args.min_time is None:
         args.min_time = 0.0 if args.quick else 3.0
     if args.rounds is None:
-        args.rounds = 3 if args.quick else 20
+        args.rounds = 3 if args.quick else 100
     if device.type == "cpu" and not args.quick:
         print("note: a CPU run times the PyTorch paths only and has no memory statistics")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32

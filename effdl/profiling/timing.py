@@ -57,25 +57,44 @@ class TimingStats:
 
 
 def median_ratio_ci(
-    num: list[float], den: list[float], level: float = 0.9, resamples: int = 2000, seed: int = 0
+    num: list[float],
+    den: list[float],
+    level: float = 0.9,
+    resamples: int = 2000,
+    seed: int = 0,
+    *,
+    paired: bool = False,
 ) -> tuple[float, float]:
-    """Bootstrap confidence interval of ``median(num) / median(den)`` (two independent samples).
+    """Bootstrap confidence interval of ``median(num) / median(den)``.
 
-    Resamples each list with replacement ``resamples`` times (a fixed seed: the same data give
-    the same interval) and returns the central ``level`` quantiles of the resampled ratios. Where
-    samples are noisy (host-bound steps), this says whether a ratio's distance from 1 means more
-    than the run's own noise.
+    Resamples with replacement ``resamples`` times (a fixed seed: the same data give the same
+    interval) and returns the central ``level`` quantiles of the resampled ratios. Where samples
+    are noisy (host-bound steps), this says whether a ratio's distance from 1 means more than the
+    run's own noise. By default the two lists are independent samples, each resampled on its
+    own; with ``paired``, ``num[i]`` and ``den[i]`` were measured side by side (the same round of
+    an interleaved benchmark) and are resampled together, so drift they share (a host slowing
+    down for a few seconds) stays out of the interval.
     """
     if not num or not den:
         raise ValueError("median_ratio_ci needs two non-empty samples")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1); got {level}")
+    if paired and len(num) != len(den):
+        raise ValueError(f"paired samples need equal lengths; got {len(num)} and {len(den)}")
     rng = random.Random(seed)
-    ratios = sorted(
-        statistics.median(rng.choices(num, k=len(num)))
-        / statistics.median(rng.choices(den, k=len(den)))
-        for _ in range(resamples)
-    )
+    if paired:
+        idx = range(len(num))
+        picks = (rng.choices(idx, k=len(num)) for _ in range(resamples))
+        ratios = sorted(
+            statistics.median(num[i] for i in pick) / statistics.median(den[i] for i in pick)
+            for pick in picks
+        )
+    else:
+        ratios = sorted(
+            statistics.median(rng.choices(num, k=len(num)))
+            / statistics.median(rng.choices(den, k=len(den)))
+            for _ in range(resamples)
+        )
     tail = (1 - level) / 2
     lo = ratios[int(tail * (resamples - 1))]
     hi = ratios[math.ceil((1 - tail) * (resamples - 1))]
