@@ -119,16 +119,16 @@ def _torch_gate_backward(
 TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 
 # Smallest (N x I) element count per dtype at which ``auto`` takes the fused Triton kernels on
-# CUDA. The fused path moves half the bytes of the PyTorch path (8 passes over (N x I) per step
-# and layer against 16 at level 0) but a Triton launch costs about twice an aten launch in Python
-# (reports/results/swiglu/probes/launch_overhead_probe.log), so it pays once the GPU, not the
-# host, bounds the step. Level-0 step time, Triton over PyTorch path, on one H100 (full runs under
-# reports/results/swiglu/): bf16 at 4.2 M and 8.4 M elements 1.03-1.21x (host-bound); at 16.8 M
-# it depends on the host: 0.86x on the one host that kept up with the GPU, 1.08-1.11x on the
-# slower ones, where the step is host-bound (the PyTorch path, taken here, loses less in the
-# worst case); 0.86-0.96x from 33.5 M up. fp32 GEMMs without TF32 run 15x slower, so fp32 steps
-# turn GPU-bound earlier: 0.94-0.97x from 4.2 M, 0.99x above. The kernels compute in fp32, so
-# dtypes not listed (float64) stay on the PyTorch path.
+# CUDA; below it, the jiterator kernels. At level 0 the two move the same bytes (8 passes over
+# (N x I) per step and layer; the PyTorch path 16), but a Triton launch costs about twice a
+# jiterator or aten launch in Python (reports/results/swiglu/probes/launch_overhead_probe.log).
+# Level-0 step time, jiterator over Triton, in the three full H100 runs under
+# reports/results/swiglu/runs_session12/ and h100_benchmark.jsonl: bf16 at 4.2 M, 8.4 M and
+# 16.8 M elements 0.81-0.91x (host-bound steps), 0.98-1.01x from 33.5 M up and in fp32 from
+# 4.2 M up (GPU-bound steps: a tie). Above the threshold Triton serves levels 1 and 2 better:
+# it writes its outputs over its inputs (level 1's backward holds three (N x I) buffers at
+# once, five on jiterator) and returns g from the backward pass (jiterator rebuilds it: 3 passes
+# more). Both compute in fp32, so dtypes not listed (float64) stay on the PyTorch path.
 TRITON_MIN_ELEMENTS: dict[torch.dtype, int] = {
     torch.bfloat16: 1 << 25,
     torch.float16: 1 << 25,
