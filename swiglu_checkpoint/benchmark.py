@@ -1,9 +1,9 @@
 """Time and memory of a SwiGLU MLP stack: reference, torch.utils.checkpoint, and each checkpoint level.
 
 For every config (batch_size, seq_len, hidden_dim, intermediate_size, num_layers) and dtype, all
-variants are built once (same seed) and kept alive. Each first runs a few synchronized steps
-(forward, then backward of a fixed random output gradient) with the peak-memory counter reset
-before each: its own peak is the counter less what the other, idle variants hold (their times
+variants are built once (same seed) and kept alive. Each is warmed up (``--warmup`` steps and
+``--warmup-time`` seconds at least), then runs a few synchronized steps (forward, then backward
+of a fixed random output gradient) with the peak-memory counter reset before each: its own peak is the counter less what the other, idle variants hold (their times
 are logged as ``step_synced_s_*``; they also charge each step the host's latency to its first
 kernel). Then the variants take turns in ``--rounds`` rounds of short chunks of back-to-back
 steps, as a training loop runs them, with no synchronize in between: at least ``--reps`` steps
@@ -39,6 +39,7 @@ import gc
 import math
 import os
 import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -195,7 +196,17 @@ def parse_args():
         default=DEFAULT_VARIANTS,
         help=f"subset of {VARIANTS} (default: all but level0_torch)",
     )
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps before the memory steps")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps before the memory steps, at least"
+    )
+    p.add_argument(
+        "--warmup-time",
+        type=float,
+        default=None,
+        help="seconds of untimed, synchronized steps per variant before its memory steps, at "
+        "least: first calls load kernels, pick GEMM algorithms and compile (default 0.5; 0 "
+        "with --quick)",
+    )
     p.add_argument("--reps", type=int, default=5, help="timed steps, at least")
     p.add_argument(
         "--rounds",
@@ -347,13 +358,27 @@ def run_steps(
         c.x.grad = None
 
 
-def measure_memory(variant: str, c: Contender, samples: Samples, warmup: int) -> None:
+def warm_up(variant: str, c: Contender, steps: int, seconds: float) -> None:
+    """At least ``steps`` synchronized steps and ``seconds`` of them (at most MAX_REPS): the
+    first steps of a variant, of a shape, of a process pay one-off costs (kernel loading, GEMM
+    heuristics, Triton and NVRTC compilation) that would otherwise inflate its synchronized
+    steps, from which the number of timed steps is set."""
+    device = c.x.device
+    start, done = time.perf_counter(), 0
+    while done < max(steps, 1) or (time.perf_counter() - start < seconds and done < MAX_REPS):
+        run_steps(variant, c, 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        done += 1
+
+
+def measure_memory(variant: str, c: Contender, samples: Samples, args) -> None:
     """Warm ``c`` up, then run MEMORY_STEPS synchronized steps, each with the peak counter reset:
     their peaks less what the other (idle) variants hold are ``c``'s own, their times the
     ``step_synced_s_*`` entries."""
     device = c.x.device
     cuda = device.type == "cuda"
-    run_steps(variant, c, max(warmup, 1))
+    warm_up(variant, c, args.warmup, args.warmup_time)
     synced = RegionTimer(device)
     samples.base = c.base
     for _ in range(MEMORY_STEPS):
@@ -401,7 +426,7 @@ def time_config(
 
     for variant, c in list(alive.items()):
         try:
-            measure_memory(variant, c, samples[variant], args.warmup)
+            measure_memory(variant, c, samples[variant], args)
         except torch.cuda.OutOfMemoryError:
             drop(variant)
             continue
@@ -488,8 +513,16 @@ def main() -> None:
         raise UsageError(
             f"--dtypes/--variants: unknown {unknown}; dtypes {list(DTYPES)}, variants {VARIANTS}"
         )
-    if args.warmup < 0 or args.reps < 1 or (args.min_time or 0) < 0 or (args.rounds or 1) < 1:
-        raise UsageError("--warmup and --min-time must be >= 0, --reps and --rounds >= 1")
+    if (
+        args.warmup < 0
+        or (args.warmup_time or 0) < 0
+        or args.reps < 1
+        or (args.min_time or 0) < 0
+        or (args.rounds or 1) < 1
+    ):
+        raise UsageError(
+            "--warmup, --warmup-time and --min-time must be >= 0, --reps and --rounds >= 1"
+        )
     variants = [v for v in args.variants if device.type == "cuda" or v not in FORCED_BACKEND]
     if args.configs:
         grid = [parse_shape(c) for c in args.configs]
@@ -499,6 +532,8 @@ def main() -> None:
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
     if args.min_time is None:
         args.min_time = 0.0 if args.quick else 3.0
+    if args.warmup_time is None:
+        args.warmup_time = 0.0 if args.quick else 0.5
     if args.rounds is None:
         args.rounds = 3 if args.quick else 100
     if device.type == "cpu" and not args.quick:
@@ -553,6 +588,7 @@ def main() -> None:
                     "residual": not args.no_residual,
                     "tf32": args.tf32,
                     "warmup": args.warmup,
+                    "warmup_time_s": args.warmup_time,
                     "reps": args.reps,
                     "min_time_s": args.min_time,
                     "rounds": args.rounds,
