@@ -222,6 +222,13 @@ def parse_args():
         help="seconds of timed steps per variant, at its synchronized step time "
         "(default 3; 0 with --quick)",
     )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help="seconds of untimed reference steps at the first config before anything is timed "
+        "(default 20 on CUDA, 0 with --quick or on a CPU)",
+    )
     p.add_argument("--no-residual", action="store_true", help="bare stack: x = mlp(x)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
     return p.parse_args()
@@ -358,18 +365,36 @@ def run_steps(
         c.x.grad = None
 
 
-def warm_up(variant: str, c: Contender, steps: int, seconds: float) -> None:
-    """At least ``steps`` synchronized steps and ``seconds`` of them (at most MAX_REPS): the
+def warm_up(
+    variant: str, c: Contender, steps: int, seconds: float, max_steps: int | None = MAX_REPS
+) -> None:
+    """At least ``steps`` synchronized steps and ``seconds`` of them (at most ``max_steps``): the
     first steps of a variant, of a shape, of a process pay one-off costs (kernel loading, GEMM
     heuristics, Triton and NVRTC compilation) that would otherwise inflate its synchronized
     steps, from which the number of timed steps is set."""
     device = c.x.device
     start, done = time.perf_counter(), 0
-    while done < max(steps, 1) or (time.perf_counter() - start < seconds and done < MAX_REPS):
+    while done < max(steps, 1) or (
+        time.perf_counter() - start < seconds and (max_steps is None or done < max_steps)
+    ):
         run_steps(variant, c, 1)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         done += 1
+
+
+def settle(shape: Shape, dtype: torch.dtype, device, args) -> None:
+    """Run the reference at ``shape`` untimed for ``args.settle`` seconds. On a freshly started
+    GPU host the first half minute of a run was disturbed in three of four runs: at the first
+    config (fp32 16x128, GPU-bound) chunk times of every variant scattered up to 2x, while the
+    configs after it repeated to 0.1% (reports/results/swiglu/runs_session12/)."""
+    if args.settle <= 0:
+        return
+    print(f"settling: {args.settle:.0f} s of untimed reference steps at {shape.label}")
+    c = build_contender("reference", shape, dtype, device, args)
+    warm_up("reference", c, 1, args.settle, max_steps=None)
+    del c
+    fresh_state(device)
 
 
 def measure_memory(variant: str, c: Contender, samples: Samples, args) -> None:
@@ -534,6 +559,8 @@ def main() -> None:
         args.min_time = 0.0 if args.quick else 3.0
     if args.warmup_time is None:
         args.warmup_time = 0.0 if args.quick else 0.5
+    if args.settle is None:
+        args.settle = 0.0 if args.quick or device.type != "cuda" else 20.0
     if args.rounds is None:
         args.rounds = 3 if args.quick else 100
     if device.type == "cpu" and not args.quick:
@@ -546,6 +573,7 @@ def main() -> None:
     log.log("copy_bandwidth", {"device": str(device)}, {"gb_per_s": bandwidth})
 
     summary, cost_rows = [], []
+    settle(grid[0], DTYPES[args.dtypes[0]], device, args)
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         ceiling, stats = measure_matmul_tflops(gemm_n, dtype, device)
@@ -589,6 +617,7 @@ def main() -> None:
                     "tf32": args.tf32,
                     "warmup": args.warmup,
                     "warmup_time_s": args.warmup_time,
+                    "settle_s": args.settle,
                     "reps": args.reps,
                     "min_time_s": args.min_time,
                     "rounds": args.rounds,
