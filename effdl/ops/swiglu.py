@@ -122,10 +122,10 @@ TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 # CUDA; below it, the jiterator kernels. At level 0 the two move the same bytes (8 passes over
 # (N x I) per step and layer; the PyTorch path 16), but a Triton launch costs about twice a
 # jiterator or aten launch in Python (reports/results/swiglu/probes/launch_overhead_probe.log).
-# Level-0 step time, jiterator over Triton, in the three full H100 runs under
+# Level-0 step time, jiterator over Triton, in the six full H100 runs under
 # reports/results/swiglu/runs_session12/ and h100_benchmark.jsonl: bf16 at 4.2 M, 8.4 M and
 # 16.8 M elements 0.81-0.91x (host-bound steps), 0.98-1.01x from 33.5 M up and in fp32 from
-# 4.2 M up (GPU-bound steps: a tie). Above the threshold Triton serves levels 1 and 2 better:
+# 4.2 M up (GPU-bound steps: a tie; one run disturbed at its first config aside). Above the threshold Triton serves levels 1 and 2 better:
 # it writes its outputs over its inputs (level 1's backward holds three (N x I) buffers at
 # once, five on jiterator) and returns g from the backward pass (jiterator rebuilds it: 3 passes
 # more). Both compute in fp32, so dtypes not listed (float64) stay on the PyTorch path.
