@@ -125,10 +125,11 @@ TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 # Level-0 step time, jiterator over Triton, in the six full H100 runs under
 # reports/results/swiglu/runs_session12/ and h100_benchmark.jsonl: bf16 at 4.2 M, 8.4 M and
 # 16.8 M elements 0.81-0.91x (host-bound steps), 0.98-1.01x from 33.5 M up and in fp32 from
-# 4.2 M up (GPU-bound steps: a tie; one run disturbed at its first config aside). Above the threshold Triton serves levels 1 and 2 better:
-# it writes its outputs over its inputs (level 1's backward holds three (N x I) buffers at
-# once, five on jiterator) and returns g from the backward pass (jiterator rebuilds it: 3 passes
-# more). Both compute in fp32, so dtypes not listed (float64) stay on the PyTorch path.
+# 4.2 M up (GPU-bound steps: a tie; one run disturbed at its first config aside). Above the
+# threshold Triton serves levels 1 and 2 better: it writes its outputs over its inputs (level 1's
+# backward holds three (N x I) buffers at once, five on jiterator) and returns g from the
+# backward pass (jiterator rebuilds it: 3 passes more). Both compute in fp32, so dtypes not
+# listed (float64) stay on the PyTorch path.
 TRITON_MIN_ELEMENTS: dict[torch.dtype, int] = {
     torch.bfloat16: 1 << 25,
     torch.float16: 1 << 25,
@@ -240,7 +241,7 @@ def _backward(ctx, dy: torch.Tensor):
     need_x, need_W, need_V, need_U = ctx.needs_input_grad[:4]
     need_gate = need_x or need_W or need_V
     recompute, ops = ctx.recompute, ctx.ops
-    dx = dW = dV = None
+    dx = dW = dV = dU = None
 
     # The engine runs backward under the autocast state of the .backward() call, not of the
     # forward, so it is checked here again.
@@ -250,7 +251,6 @@ def _backward(ctx, dy: torch.Tensor):
         if recompute:
             a = torch.mm(x2, W)
             b = torch.mm(x2, V)
-        dU = None
         if need_U and g is None and not (need_gate and ops.gate_backward_gives_g):
             # g is rebuilt on its own, used and dropped before the gate backward's outputs exist
             g = ops.gate(a, b, inplace=recompute and not need_gate)
