@@ -1,11 +1,12 @@
 """Time and memory of a SwiGLU MLP stack: reference, torch.utils.checkpoint, and each checkpoint level.
 
 For every config (batch_size, seq_len, hidden_dim, intermediate_size, num_layers) and dtype, all
-variants are built once (same seed) and kept alive. Each is warmed up (``--warmup`` steps and
+variants are built once (same seed) and kept alive. After ``--settle`` seconds of untimed
+reference steps at the first config, each variant is warmed up (``--warmup`` steps and
 ``--warmup-time`` seconds at least), then runs a few synchronized steps (forward, then backward
-of a fixed random output gradient) with the peak-memory counter reset before each: its own peak is the counter less what the other, idle variants hold (their times
-are logged as ``step_synced_s_*``; they also charge each step the host's latency to its first
-kernel). Then the variants take turns in ``--rounds`` rounds of short chunks of back-to-back
+of a fixed random output gradient) with the peak-memory counter reset before each: its own peak
+is the counter less what the other, idle variants hold (their times are logged as
+``step_synced_s_*``; they also charge each step the host's latency to its first kernel). Then the variants take turns in ``--rounds`` rounds of short chunks of back-to-back
 steps, as a training loop runs them, with no synchronize in between: at least ``--reps`` steps
 and ``--min-time`` seconds per variant. A step's time is its chunk's time over its steps, with
 CUDA events around each forward and backward for the split (``time_config`` says why). Medians
