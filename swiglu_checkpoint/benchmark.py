@@ -6,9 +6,10 @@ reference steps at the first config, each variant is warmed up (``--warmup`` ste
 ``--warmup-time`` seconds at least), then runs a few synchronized steps (forward, then backward
 of a fixed random output gradient) with the peak-memory counter reset before each: its own peak
 is the counter less what the other, idle variants hold (their times are logged as
-``step_synced_s_*``; they also charge each step the host's latency to its first kernel). Then the variants take turns in ``--rounds`` rounds of short chunks of back-to-back
-steps, as a training loop runs them, with no synchronize in between: at least ``--reps`` steps
-and ``--min-time`` seconds per variant. A step's time is its chunk's time over its steps, with
+``step_synced_s_*``; they also charge each step the host's latency to its first kernel). Then
+the variants take turns in ``--rounds`` rounds of short chunks of back-to-back steps, as a
+training loop runs them, with no synchronize in between: at least ``--reps`` steps and
+``--min-time`` seconds per variant. A step's time is its chunk's time over its steps, with
 CUDA events around each forward and backward for the split (``time_config`` says why). Medians
 are logged and compared as ratios within this run, with a bootstrap interval for level 0 over the
 reference (``effdl.profiling.timing.median_ratio_ci`` over the chunks, paired by round). Variants:
