@@ -388,8 +388,9 @@ def warm_up(
 def settle(shape: Shape, dtype: torch.dtype, device, args) -> None:
     """Run the reference at ``shape`` untimed for ``args.settle`` seconds. On a freshly started
     GPU host the first half minute of a run was disturbed in three of four runs: at the first
-    config (fp32 16x128, GPU-bound) chunk times of every variant scattered up to 2x, while the
-    configs after it repeated to 0.1% (reports/results/swiglu/runs_session12/)."""
+    config (fp32 16x128, GPU-bound) chunk times of every variant scattered (the reference's
+    slowest chunk 1.5-6.7x its fastest), while the configs after it repeated to 0.1%
+    (reports/results/swiglu/runs_session12/)."""
     if args.settle <= 0:
         return
     print(f"settling: {args.settle:.0f} s of untimed reference steps at {shape.label}")
@@ -543,12 +544,14 @@ def main() -> None:
     if (
         args.warmup < 0
         or (args.warmup_time or 0) < 0
+        or (args.settle or 0) < 0
         or args.reps < 1
         or (args.min_time or 0) < 0
         or (args.rounds or 1) < 1
     ):
         raise UsageError(
-            "--warmup, --warmup-time and --min-time must be >= 0, --reps and --rounds >= 1"
+            "--warmup, --warmup-time, --settle and --min-time must be >= 0, "
+            "--reps and --rounds >= 1"
         )
     variants = [v for v in args.variants if device.type == "cuda" or v not in FORCED_BACKEND]
     if args.configs:
