@@ -1,24 +1,32 @@
-"""What every task script shares at its edge: common flags, one-line errors, the summary table.
+"""What every task script shares at its edge: common flags, typed configs, one-line errors.
 
-Scripts stay thin: they parse arguments with :func:`base_parser`, wrap their body in
-:func:`run_main` (which turns :class:`UsageError` into a one-line message and exit code 2,
-without a traceback), log with :class:`effdl.results.RunLog` under ``--out``, and end with
-:func:`print_table`.
+A script keeps its settings in a config dataclass with a full and a ``--quick`` preset; its
+flags, bound through :class:`ConfigFlags`, only override fields the user gave, and the result is
+validated once. :func:`start_run` is the preamble (device, seed, run log); :func:`run_main` turns
+:class:`UsageError` into a one-line message and exit code 2, without a traceback; the run ends
+with :func:`print_table`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import os
 import random
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
-from effdl.profiling.timing import resolve_device
+from effdl.results import RunLog
+
+C = TypeVar("C")
 
 
 class UsageError(Exception):
@@ -57,6 +65,20 @@ def add_text_corpus_args(p: argparse.ArgumentParser, cache: bool = True) -> None
         )
 
 
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"``/None -> CUDA when available, else CPU; anything else is passed to torch.device.
+
+    A CUDA device always comes back with its index (``cuda`` -> ``cuda:<current>``): some torch
+    APIs, such as ``set_per_process_memory_fraction``, refuse an index-less device.
+    """
+    if device is None or str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def device_from_arg(arg: str) -> torch.device:
     """Parse ``--device``; asking for CUDA on a machine without it is a usage error."""
     try:
@@ -75,6 +97,133 @@ def require_path(path: Path, what: str, flag: str) -> Path:
     if not path.exists():
         raise UsageError(f"{flag}: {path} does not exist (expected {what})")
     return path
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a config field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+class ConfigFlags(Generic[C]):
+    """Command-line flags bound to the fields of a config dataclass with two presets.
+
+    Every flag added with :meth:`add` defaults to "not given", so :meth:`resolve` starts from the
+    full preset (or the quick one under ``--quick``) and replaces exactly the fields the user gave:
+    a flag given is honoured, ``--quick`` only changes defaults. The help text shows both presets.
+    The config is validated once, by its ``validate()`` method if it has one.
+    """
+
+    def __init__(self, parser: argparse.ArgumentParser, full: C, quick: C | None = None) -> None:
+        if not dataclasses.is_dataclass(full):
+            raise TypeError(f"ConfigFlags needs a dataclass instance, got {type(full).__name__}")
+        self.parser = parser
+        self.full = full
+        self.quick = full if quick is None else quick
+        self._fields = {f.name for f in dataclasses.fields(full)}
+        self._dests: list[str] = []
+
+    def add(self, name: str, *, flag: str | None = None, help: str = "", **kwargs: Any) -> None:
+        """Add ``--name`` (or ``flag``) for field ``name``; kwargs go to ``add_argument``."""
+        if name not in self._fields:
+            raise ValueError(f"{type(self.full).__name__} has no field {name!r}")
+        full, quick = getattr(self.full, name), getattr(self.quick, name)
+        shown = f"default {_show(full)}" + ("" if full == quick else f"; --quick {_show(quick)}")
+        self.parser.add_argument(
+            flag or flag_of(name),
+            dest=name,
+            default=argparse.SUPPRESS,
+            help=f"{help} ({shown})" if help else f"({shown})",
+            **kwargs,
+        )
+        self._dests.append(name)
+
+    def resolve(self, args: argparse.Namespace) -> C:
+        """The preset ``args.quick`` picks, with every given flag's value; validated."""
+        base = self.quick if getattr(args, "quick", False) else self.full
+        given = {name: getattr(args, name) for name in self._dests if hasattr(args, name)}
+        cfg = dataclasses.replace(base, **given)
+        validate = getattr(cfg, "validate", None)
+        if validate is not None:
+            validate()
+        return cfg
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def require_positive(cfg: Any, *names: str, minimum: float = 1) -> None:
+    """UsageError naming the flag unless each field ``names`` of ``cfg`` is a finite number
+    >= ``minimum`` (every element, for a list)."""
+    for name in names:
+        value = getattr(cfg, name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise UsageError(f"{flag_of(name)}: expected a number, got {v!r}")
+            if not math.isfinite(v) or v < minimum:
+                raise UsageError(f"{flag_of(name)} must be >= {minimum:g}, got {v!r}")
+
+
+def require_choices(cfg: Any, name: str, choices: Iterable[str]) -> None:
+    """UsageError naming the flag unless field ``name`` (a value or a list) is among ``choices``."""
+    choices = list(choices)
+    value = getattr(cfg, name)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    unknown = [v for v in values if v not in choices]
+    if unknown:
+        raise UsageError(f"{flag_of(name)}: unknown {unknown}; expected one of {choices}")
+
+
+@dataclass
+class Run:
+    """What a script's preamble sets up: the device and the run logs, opened before any work."""
+
+    device: torch.device
+    logs: dict[str, RunLog]
+    run_id: str
+    seed: int
+    out: Path = field(default_factory=Path)
+
+    @property
+    def log(self) -> RunLog:
+        """The first (usually only) log."""
+        return next(iter(self.logs.values()))
+
+    @property
+    def where(self) -> str:
+        """The GPU's name, or the CPU's."""
+        env = self.log.env
+        return env["gpu"] or env["cpu"]
+
+
+def start_run(
+    args: argparse.Namespace,
+    task: str,
+    logs: str | Sequence[str],
+    *,
+    quick_cpu: bool = True,
+) -> Run:
+    """The preamble every script shares: the device from ``--device`` (``auto`` means the CPU
+    under ``--quick`` when ``quick_cpu``), all seeds from ``--seed``, and the run logs
+    ``--out/<name>`` opened now, so an unwritable ``--out`` fails before the work, not after."""
+    arg = args.device
+    if quick_cpu and getattr(args, "quick", False) and arg == "auto":
+        arg = "cpu"
+    device = device_from_arg(arg)
+    seed_everything(args.seed)
+    names = [logs] if isinstance(logs, str) else list(logs)
+    opened = {}
+    for name in names:
+        path = Path(args.out) / name
+        try:
+            opened[Path(name).stem] = RunLog(path, task=task, create=True)
+        except OSError as e:
+            raise UsageError(f"--out: cannot write {path} ({e.strerror or e})") from None
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    return Run(device=device, logs=opened, run_id=run_id, seed=args.seed, out=Path(args.out))
 
 
 def seed_everything(seed: int) -> None:

@@ -7,16 +7,18 @@ crashes leaves every earlier line intact and no partial line behind.
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
 import os
+import platform
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-
-from effdl.profiling.timing import environment
+import torch
 
 REQUIRED_KEYS = ("task", "variant", "config", "metrics", "env")
 RESULTS_ENV_VAR = "EFFDL_RESULTS"
@@ -24,6 +26,47 @@ RESULTS_ENV_VAR = "EFFDL_RESULTS"
 
 class ResultsFormatError(ValueError):
     """A run-log line that is not a valid record; the message names file and line."""
+
+
+def _git_sha() -> str:
+    # A copy of the tree without .git (e.g. on the GPU machine) gets the sha from the caller.
+    if os.environ.get("EFFDL_GIT_SHA"):
+        return os.environ["EFFDL_GIT_SHA"]
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def environment() -> dict[str, str | int | None]:
+    """Where a measurement was taken: GPU name (or CPU), versions, git sha, UTC time."""
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_sha": _git_sha(),
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _jsonable(value: Any) -> Any:
@@ -48,7 +91,7 @@ def make_record(
     metrics: Mapping[str, Any],
     env: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Build one record; ``env`` defaults to :func:`effdl.profiling.timing.environment`."""
+    """Build one record; ``env`` defaults to :func:`environment`."""
     return {
         "task": task,
         "variant": variant,
@@ -77,12 +120,20 @@ def append_record(path: str | os.PathLike, record: Mapping[str, Any]) -> None:
 
 
 class RunLog:
-    """Appends records of one task to one JSONL file, taking the environment once per run."""
+    """Appends records of one task to one JSONL file, taking the environment once per run.
 
-    def __init__(self, path: str | os.PathLike, task: str) -> None:
+    With ``create`` the file (and its folders) is created now, so a path that cannot be written
+    raises OSError before the run's work rather than at its first record.
+    """
+
+    def __init__(self, path: str | os.PathLike, task: str, *, create: bool = False) -> None:
         self.path = Path(path)
         self.task = task
         self.env = environment()
+        if create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8"):
+                pass
 
     def log(self, variant: str, config: Mapping[str, Any], metrics: Mapping[str, Any]) -> dict:
         record = make_record(self.task, variant, config, metrics, self.env)

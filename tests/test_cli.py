@@ -1,10 +1,24 @@
+import argparse
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
-from effdl.cli import UsageError, device_from_arg, format_table, require_path
+from effdl.cli import (
+    ConfigFlags,
+    UsageError,
+    base_parser,
+    device_from_arg,
+    format_table,
+    require_choices,
+    require_path,
+    require_positive,
+    resolve_device,
+    start_run,
+)
 from effdl.results import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +42,104 @@ def test_require_path_names_flag_and_expectation(tmp_path):
 def test_device_from_arg_rejects_garbage():
     with pytest.raises(UsageError, match="--device"):
         device_from_arg("tpu:banana")
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+def test_resolve_device_gives_cuda_an_index():
+    assert resolve_device("cuda").index == torch.cuda.current_device()
+    assert resolve_device("auto").index is not None
+
+
+@dataclass
+class DemoConfig:
+    batch_size: int = 32
+    lr: float = 3e-4
+    ks: list[int] = field(default_factory=lambda: [1, 5])
+    mode: str = "a"
+
+    def validate(self) -> None:
+        require_positive(self, "batch_size", "ks")
+        require_positive(self, "lr", minimum=0)
+        require_choices(self, "mode", ["a", "b"])
+
+
+def demo_flags() -> tuple[argparse.ArgumentParser, ConfigFlags]:
+    p = base_parser("demo", default_out="runs/demo")
+    flags = ConfigFlags(p, DemoConfig(), DemoConfig(batch_size=4, ks=[1]))
+    flags.add("batch_size", type=int, help="rows")
+    flags.add("lr", type=float)
+    flags.add("ks", type=int, nargs="+")
+    flags.add("mode")
+    return p, flags
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], DemoConfig()),
+        (["--quick"], DemoConfig(batch_size=4, ks=[1])),
+        # a flag the user gives wins over the quick preset, which only sets defaults
+        (["--quick", "--batch-size", "7"], DemoConfig(batch_size=7, ks=[1])),
+        (["--lr", "0.1", "--ks", "2", "3"], DemoConfig(lr=0.1, ks=[2, 3])),
+    ],
+)
+def test_config_flags_override_only_given_fields(argv, expected):
+    p, flags = demo_flags()
+    assert flags.resolve(p.parse_args(argv)) == expected
+
+
+def test_config_flags_help_shows_both_presets():
+    p, _ = demo_flags()
+    text = p.format_help()
+    assert "rows (default 32; --quick 4)" in text
+    assert "(default 0.0003)" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch-size", "0"], r"--batch-size must be >= 1, got 0"),
+        (["--quick", "--ks", "1", "0"], r"--ks must be >= 1, got 0"),
+        (["--lr", "nan"], r"--lr must be >= 0, got nan"),
+        (["--mode", "c"], r"--mode: unknown \['c'\]; expected one of \['a', 'b'\]"),
+    ],
+)
+def test_config_flags_validate_once_naming_the_flag(argv, message):
+    p, flags = demo_flags()
+    with pytest.raises(UsageError, match=message):
+        flags.resolve(p.parse_args(argv))
+
+
+def test_config_flags_refuse_a_field_the_config_lacks():
+    p = base_parser("demo", default_out="runs/demo")
+    with pytest.raises(ValueError, match="no field 'bogus'"):
+        ConfigFlags(p, DemoConfig()).add("bogus")
+
+
+def test_start_run_opens_logs_and_picks_the_cpu_under_quick(tmp_path):
+    args = base_parser("demo", default_out="x").parse_args(
+        ["--quick", "--out", str(tmp_path / "o"), "--seed", "5"]
+    )
+    run = start_run(args, "demo", ["a.jsonl", "b.jsonl"])
+    assert run.device == torch.device("cpu")
+    assert set(run.logs) == {"a", "b"} and run.log is run.logs["a"]
+    assert (tmp_path / "o" / "a.jsonl").exists() and (tmp_path / "o" / "b.jsonl").exists()
+    assert torch.initial_seed() == 5
+    run.log.log("v", {}, {"m": 1})
+    assert read_records(tmp_path / "o" / "a.jsonl")[0]["task"] == "demo"
+
+
+def test_start_run_refuses_an_unwritable_out_before_any_work(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    args = base_parser("demo", default_out="x").parse_args(["--out", str(blocker)])
+    with pytest.raises(UsageError, match=r"--out: cannot write .*file/a\.jsonl"):
+        start_run(args, "demo", "a.jsonl")
 
 
 def run_script(*args):

@@ -75,3 +75,42 @@ def test_results_dir_env(monkeypatch, tmp_path):
     assert str(results_dir("fallback")) == "fallback"
     monkeypatch.setenv("EFFDL_RESULTS", str(tmp_path))
     assert results_dir() == tmp_path
+
+
+def test_environment_describes_this_process(monkeypatch):
+    import datetime as dt
+    import platform
+    import subprocess
+
+    torch = pytest.importorskip("torch")
+    from effdl.results import environment
+
+    monkeypatch.delenv("EFFDL_GIT_SHA", raising=False)
+    env = environment()
+    assert env["torch"] == torch.__version__
+    assert env["python"] == platform.python_version()
+    assert env["gpu"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    taken = dt.datetime.fromisoformat(env["time"])
+    assert abs((dt.datetime.now(dt.timezone.utc) - taken).total_seconds()) < 60
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    if head:  # a checkout: the sha is HEAD's, marked when the tree has changes
+        assert env["git_sha"].removesuffix("-dirty") == head
+
+
+def test_environment_sha_override(monkeypatch):
+    from effdl.results import environment
+
+    monkeypatch.setenv("EFFDL_GIT_SHA", "abc123")
+    assert environment()["git_sha"] == "abc123"
+
+
+def test_runlog_create_makes_the_file_at_once(tmp_path):
+    path = tmp_path / "deep" / "r.jsonl"
+    RunLog(path, task="demo", create=True)
+    assert path.exists() and path.read_text() == ""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError):
+        RunLog(blocker / "r.jsonl", task="demo", create=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from effdl.profiling.timing import TimingStats, benchmark, resolve_device
+from effdl.profiling.timing import TimingStats, benchmark
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -24,7 +24,7 @@ def tflops(flops: float, seconds: float) -> float:
 def measure_matmul_tflops(
     size: int,
     dtype: torch.dtype,
-    device: str | torch.device | None = "auto",
+    device: str | torch.device,
     *,
     warmup: int = 3,
     iters: int = 10,
@@ -34,7 +34,7 @@ def measure_matmul_tflops(
     Random inputs, not zeros: on Hopper a GEMM of zeros runs measurably faster than real data.
     Returns (median TFLOP/s, timing stats).
     """
-    dev = resolve_device(device)
+    dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(size, size, device=dev, dtype=dtype, generator=gen)
     b = torch.randn(size, size, device=dev, dtype=dtype, generator=gen)
@@ -45,13 +45,13 @@ def measure_matmul_tflops(
 
 def measure_copy_bandwidth(
     nbytes: int,
-    device: str | torch.device | None = "auto",
+    device: str | torch.device,
     *,
     warmup: int = 3,
     iters: int = 10,
 ) -> tuple[float, TimingStats]:
     """Memory bandwidth in GB/s (1e9 B/s) of copying ``nbytes``, counting bytes read + written."""
-    dev = resolve_device(device)
+    dev = torch.device(device)
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     stats = benchmark(lambda: dst.copy_(src), warmup=warmup, iters=iters, device=dev)

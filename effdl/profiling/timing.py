@@ -8,18 +8,13 @@ lazy initialisation (cuBLAS handles, autotuning, allocator growth) stays out of 
 
 from __future__ import annotations
 
-import datetime as _dt
 import math
-import os
-import platform
 import random
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -101,20 +96,6 @@ def median_ratio_ci(
     return lo, hi
 
 
-def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """``"auto"``/None -> CUDA when available, else CPU; anything else is passed to torch.device.
-
-    A CUDA device always comes back with its index (``cuda`` -> ``cuda:<current>``): some torch
-    APIs, such as ``set_per_process_memory_fraction``, refuse an index-less device.
-    """
-    if device is None or str(device) == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -128,8 +109,8 @@ class RegionTimer:
     On CPU it reads ``perf_counter`` directly.
     """
 
-    def __init__(self, device: str | torch.device | None = "auto") -> None:
-        self.device = resolve_device(device)
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._pairs: list[tuple] = []
         self._open = None
@@ -179,7 +160,7 @@ def benchmark(
     *,
     warmup: int = 3,
     iters: int = 10,
-    device: str | torch.device | None = "auto",
+    device: str | torch.device,
     setup: Callable[[], object] | None = None,
 ) -> TimingStats:
     """Time ``fn()`` ``iters`` times after ``warmup`` untimed calls.
@@ -192,7 +173,7 @@ def benchmark(
         raise ValueError(
             f"benchmark needs iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}"
         )
-    dev = resolve_device(device)
+    dev = torch.device(device)
     for _ in range(warmup):
         if setup is not None:
             setup()
@@ -217,14 +198,14 @@ class PeakMemory:
 
 
 @contextmanager
-def peak_memory(device: str | torch.device | None = "auto") -> Iterator[PeakMemory]:
+def peak_memory(device: str | torch.device) -> Iterator[PeakMemory]:
     """Peak GPU memory allocated inside the region (GiB).
 
     Resets the peak counter on entry and reads ``max_memory_allocated`` on exit, so the number is
     the region's own peak (including tensors that were alive when it started). On CPU the result
     stays NaN: PyTorch keeps no allocator statistics there.
     """
-    dev = resolve_device(device)
+    dev = torch.device(device)
     result = PeakMemory()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -236,48 +217,3 @@ def peak_memory(device: str | torch.device | None = "auto") -> Iterator[PeakMemo
             torch.cuda.synchronize(dev)
             result.bytes = torch.cuda.max_memory_allocated(dev)
             result.gib = result.bytes / GIB
-
-
-def _git_sha() -> str:
-    # A copy of the tree without .git (e.g. on the GPU machine) gets the sha from the caller.
-    if os.environ.get("EFFDL_GIT_SHA"):
-        return os.environ["EFFDL_GIT_SHA"]
-    here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def environment() -> dict[str, str | int | None]:
-    """Where a measurement was taken: GPU name (or CPU), versions, git sha, UTC time."""
-    if torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name()
-    else:
-        gpu = None
-    return {
-        "gpu": gpu,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "git_sha": _git_sha(),
-        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
