@@ -62,7 +62,7 @@ from effdl.data.corpus import (
     synthetic_corpus,
 )
 from effdl.data.padding import Batch, pad_batch
-from effdl.data.samplers import make_loader
+from effdl.data.pipelines import make_loader
 from effdl.data.tokenize import TokenizedCorpus, fit_basic_english
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
 from effdl.models.lm_objective import LMAccuracy, LMCrossEntropyLoss

@@ -32,7 +32,7 @@ from effdl.cli import (
     seed_everything,
 )
 from effdl.data.corpus import CorpusFormatError
-from effdl.data.samplers import PIPELINES, make_loader
+from effdl.data.pipelines import PIPELINES, make_loader
 from effdl.data.tokenize import prepare_wikitext_ids
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel, matmul_flops_per_token
 from effdl.models.lm_objective import lm_inputs

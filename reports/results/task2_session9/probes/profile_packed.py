@@ -8,7 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
-from effdl.data.samplers import make_loader
+from effdl.data.pipelines import make_loader
 from effdl.data.tokenize import prepare_wikitext_ids
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
 from effdl.models.lm_objective import lm_inputs
