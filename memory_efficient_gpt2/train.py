@@ -40,16 +40,14 @@ from effdl.models.gpt2 import (
     checkpoint_blocks,
     count_params,
     gpt2_config,
-    host_budget,
     lm_loss,
-    memory_budget,
 )
 from effdl.optim import CPUOffloadAdam
+from effdl.profiling.memory_budget import ESTIMATE_HEADROOM_GIB, host_budget, memory_budget
 from effdl.profiling.timing import GIB, benchmark
 from effdl.results import RunLog
 
 TASK = "gpt2"
-ESTIMATE_HEADROOM_GIB = 0.75  # allocator fragmentation, cuBLAS workspaces, transient grads
 
 
 def parse_args():
