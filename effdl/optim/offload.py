@@ -1,60 +1,24 @@
 """Adam/AdamW whose fp32 master weights and moments live in (pinned) CPU memory.
 
-Contract
---------
-* **Where things live.** For every parameter the optimizer keeps an fp32 master copy and both
-  Adam moments (``exp_avg``, ``exp_avg_sq``) in CPU memory, pinned when the working device is a
-  GPU. The model's parameters become *working* copies on ``device`` in ``working_dtype`` (bf16 by
-  default, fp16 allowed, fp32 for exact CPU tests). The constructor takes parameters still in
-  fp32 (anywhere; build big models on the CPU) so the masters start exact, then replaces each
-  ``p.data`` by a view into a flat per-bucket working buffer on ``device``.
-* **Gradients.** A ``register_post_accumulate_grad_hook`` per parameter takes each gradient as
-  soon as autograd has produced it and frees ``p.grad`` at once, so the GPU never holds a full set
-  of gradients. Accumulation over micro-batches is exact fp32 addition, either
+The model's parameters become working copies on ``device`` in ``working_dtype`` (bf16 default,
+fp16 with loss scaling, fp32 for exact tests): views into flat per-bucket buffers. Pass them
+still in fp32 so the masters start exact. A post-accumulate-grad hook takes each gradient as
+autograd produces it and frees ``p.grad``, so the GPU never holds a full set; micro-batches are
+summed exactly in fp32, on the GPU (``grad_accumulation="gpu"``: 4 B/param there, one D2H copy
+per step) or on the CPU (``"cpu"``: a D2H copy per micro-batch on a side stream). The update is
+torch's fused CPU Adam/AdamW kernel, one bucket at a time in a worker thread; after
+``backward(loss, final=True)`` each bucket is updated, and its weights copied back on a second
+side stream, as soon as its gradients are complete, overlapping the rest of backward.
 
-  - ``grad_accumulation="cpu"``: every micro-batch, a non-blocking D2H copy on a side CUDA stream
-    into a pinned working-dtype staging buffer, then (worker thread, once the bucket's copy has
-    landed) an fp32 add on the CPU. PCIe and CPU memory traffic: 2 B/param D2H and 10 B/param of
-    host memory traffic *per micro-batch*; or
-  - ``grad_accumulation="gpu"``: an fp32 accumulation buffer on the GPU (4 B/param of GPU
-    memory), copied to the CPU once per optimizer step (4 B/param D2H per step).
+Semantics are torch.optim.Adam's and AdamW's: the fp32 masters equal
+``torch.optim.Adam(fused=True)`` on the CPU bit for bit; per-group hyper-parameters (read at
+every step), parameters without a gradient skipped, ``state_dict`` in torch's layout plus a
+``master`` per parameter. fp16 loss scaling (``scale=``) checks all gradients for inf/NaN before
+any update and skips the whole step (:attr:`found_inf`); the in-backward overlap is then off.
 
-  On a CPU-only machine the "device" is the CPU: gradients are added into the fp32 buffer
-  directly and no streams or pinned memory are used.
-* **The update** runs torch's fused multi-threaded CPU Adam/AdamW kernel (the one behind
-  ``torch.optim.Adam(fused=True)``) on the fp32 masters, one bucket at a time, in a single worker
-  thread (the kernel itself is parallel over ``torch.get_num_threads()`` cores and releases the
-  GIL, so the Python thread keeps launching GPU work). Updated masters are cast to the working
-  dtype into a pinned staging buffer and copied back with a non-blocking H2D copy on a second side
-  stream; :meth:`step` makes the compute stream wait for those copies.
-* **Overlap.** :meth:`backward` with ``final=True`` (the last micro-batch of a step) updates each
-  bucket as soon as all its gradients are in, while backward still runs on earlier layers, and
-  copies the updated weights back while the rest of backward proceeds. :meth:`step` finishes
-  the buckets that were not complete (and everything, when :meth:`backward` was not used).
-* **Semantics** are those of ``torch.optim.Adam`` (``adamw=False``: L2 weight decay added to the
-  gradient) and ``torch.optim.AdamW`` (``adamw=True``: decoupled weight decay): bias correction,
-  betas, eps, per-group hyper-parameters (read from ``param_groups`` at every step, so lr
-  schedules work by editing them), parameters that got no gradient are skipped (no state change),
-  ``state_dict``/``load_state_dict`` (torch's layout plus a ``master`` entry per parameter),
-  ``zero_grad`` (drops accumulated gradients). The fp32 masters equal, bit for bit,
-  ``torch.optim.Adam(fused=True)`` run on the CPU with the same fp32 gradients.
-* **Loss scaling.** For fp16 working weights pass ``scale=`` (float or 0-dim tensor) to
-  :meth:`backward` (it multiplies the loss) or to :meth:`step` (when the loss was scaled by the
-  caller). The step then unscales and checks for inf/NaN on the CPU over *all* gradients before
-  any update, skips the whole step if one is found and says so in :attr:`found_inf`; feed that to
-  your scaler's update (any ``torch.amp.GradScaler``-like object: ``get_scale()`` gives the scale).
-  With a scale the in-backward overlap is off, because the inf check needs every gradient first.
-
-Limits: no ``amsgrad``, no ``maximize``, no sparse gradients, no gradient clipping (the overlap
-updates buckets before the global norm is known), one working device, parameters must not be
-replaced after construction (their ``data`` are views into the optimizer's buffers), and it is
-not a ``torch.optim.Optimizer`` subclass (no LR scheduler objects; edit ``param_groups[i]["lr"]``).
-
-Budget for GPT-2-Large (774,030,080 params) on an H100 host: pinned CPU memory 16 B/param for
-master + moments + fp32 grads plus 2 B/param working-dtype staging each for weights (and grads in
-"cpu" mode) = 12.4-15.5 GB; the update touches ~28 B/param (read master, grad, moments; write
-master, moments) ~ 22 GB of host memory traffic plus a 6 B/param cast, i.e. ~0.3-0.6 s at
-40-80 GB/s; the H2D copy back of bf16 weights is 1.55 GB (~30-60 ms at 25-50 GB/s pinned).
+Limits: no amsgrad, maximize, sparse gradients or gradient clipping (buckets update before the
+global norm is known); one working device; parameters must not be replaced after construction;
+not a ``torch.optim.Optimizer`` (for an lr schedule edit ``param_groups[i]["lr"]``).
 """
 
 from __future__ import annotations
@@ -69,63 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from effdl.profiling.timeline import Timeline
+
 _GROUP_DEFAULT_KEYS = ("lr", "betas", "eps", "weight_decay")
 GRAD_ACCUMULATION_MODES = ("cpu", "gpu")
 # Parameter offsets inside flat buffers are multiples of this many elements (256 B for fp32), so
 # every working weight is as aligned as a fresh allocation and GEMMs pick their fast kernels.
 ALIGN_ELEMENTS = 64
-
-
-class Timeline:
-    """Spans of one optimizer step on one time axis, for the report's step timeline.
-
-    Host spans use ``perf_counter``; CUDA spans use timing events and are placed relative to an
-    event recorded on the current stream at :meth:`reset` (exact when the host had just
-    synchronized, as a training loop does after reading the loss). Appends are thread-safe.
-    Off (no events, no cost) until ``enabled`` is set; call :meth:`reset` at each step start.
-    """
-
-    def __init__(self, cuda: bool, enabled: bool = False) -> None:
-        self.cuda = cuda
-        self.enabled = enabled
-        self.reset()
-
-    def reset(self) -> None:
-        self._spans: list[tuple[str, int, Any, Any]] = []
-        self._t0 = time.perf_counter()
-        self._ev0 = self.mark() if self.cuda else None
-
-    def mark(self, stream: Any = None) -> Any:
-        """A time stamp: a recorded CUDA event (on ``stream`` or the current one) or a float."""
-        if not (self.cuda and self.enabled):
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream)
-        return ev
-
-    def add(self, kind: str, index: int, start: Any, end: Any) -> None:
-        """Record a span from two :meth:`mark` stamps (or two ``perf_counter`` floats)."""
-        if self.enabled:
-            self._spans.append((kind, index, start, end))
-
-    def spans(self) -> list[dict[str, Any]]:
-        """All spans as ``{kind, index, start_s, end_s}`` (synchronizes on CUDA)."""
-        out = []
-        for kind, index, a, b in list(self._spans):
-            if isinstance(b, float):
-                start, end = a - self._t0, b - self._t0
-            else:
-                b.synchronize()
-                start, end = self._ev0.elapsed_time(a) / 1e3, self._ev0.elapsed_time(b) / 1e3
-            out.append({"kind": kind, "index": index, "start_s": start, "end_s": end})
-        return out
-
-    def totals(self) -> dict[str, float]:
-        """Summed duration per kind, in seconds."""
-        out: dict[str, float] = {}
-        for s in self.spans():
-            out[s["kind"]] = out.get(s["kind"], 0.0) + s["end_s"] - s["start_s"]
-        return out
 
 
 @dataclass(eq=False)
