@@ -1,0 +1,90 @@
+"""Token streams: the synthetic one is reproducible and learnable, text files tokenize as bytes
+or with a local tokenizer, and per-step batches are cut in order."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from effdl.data.corpus import CorpusFormatError
+from effdl.data.token_streams import step_batches, synthetic_stream, text_stream
+
+
+def test_synthetic_stream_is_pinned() -> None:
+    """The report re-derives the fixed batch's statistics from (n_tokens, vocab, seed)."""
+    x = synthetic_stream(10_000, 50257, 0)
+    assert x.shape == (10_000,) and x.dtype == torch.int64
+    assert x[:8].tolist() == [26671, 38484, 16159, 8094, 30261, 43116, 13676, 9026]
+    assert int(x.sum()) == 248_302_324
+    assert torch.equal(synthetic_stream(512, 64, 3), synthetic_stream(512, 64, 3))
+    assert not torch.equal(synthetic_stream(512, 64, 3), synthetic_stream(512, 64, 4))
+
+
+def test_synthetic_stream_is_learnable() -> None:
+    """Inside a phrase the next token is determined: a bigram table from the first half of the
+    stream predicts most next tokens of the second half (none of a uniform random stream)."""
+    x = synthetic_stream(50_000, 50257, 0).tolist()
+    train, held_out = x[:25_000], x[25_000:]
+    successors: dict[int, Counter] = {}
+    for a, b in itertools.pairwise(train):
+        successors.setdefault(a, Counter())[b] += 1
+    guess = {a: c.most_common(1)[0][0] for a, c in successors.items()}
+    hits = sum(guess.get(a) == b for a, b in itertools.pairwise(held_out))
+    assert hits / (len(held_out) - 1) > 0.75
+
+
+def test_text_stream_raw_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "wiki.train.raw"
+    path.write_text(" = Title = \n héllo\n", encoding="utf-8")
+    tokens = text_stream(path, 10, vocab=50257)
+    assert tokens.dtype == torch.int64
+    assert tokens.tolist() == list(" = Title = \n héllo\n".encode())[:10]
+
+
+def test_text_stream_with_local_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "text.txt"
+    path.write_text("the cat sat the dog sat\n")
+    assert text_stream(path, 5, vocab=4, tokenizer_dir=tmp_path).tolist() == [1, 2, 3, 1, 0]
+
+
+def test_text_stream_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(CorpusFormatError, match=re.escape("missing.txt: cannot read")):
+        text_stream(tmp_path / "missing.txt", 10, vocab=256)
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    with pytest.raises(CorpusFormatError, match=re.escape("short.txt gives 3 tokens, need 10")):
+        text_stream(short, 10, vocab=256)
+    with pytest.raises(
+        CorpusFormatError, match=re.escape("short.txt gives token id 99 >= vocab 64")
+    ):
+        text_stream(short, 3, vocab=64)  # 'c' is byte 99
+
+
+def test_step_batches_cut_in_order() -> None:
+    asked = []
+
+    def stream(n: int) -> torch.Tensor:
+        asked.append(n)
+        return torch.arange(n)
+
+    batches = step_batches(stream, steps=3, batch=2, seq=4)
+    assert asked == [24]
+    assert [b.shape for b in batches] == [(2, 4)] * 3
+    assert torch.equal(torch.cat([b.reshape(-1) for b in batches]), torch.arange(24))
+
+
+def test_step_batches_fixed_repeats_the_first() -> None:
+    batches = step_batches(torch.arange, steps=3, batch=2, seq=4, fixed=True)
+    assert len(batches) == 3
+    assert all(torch.equal(b, torch.arange(8).view(2, 4)) for b in batches)
