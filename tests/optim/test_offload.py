@@ -7,6 +7,7 @@ for bit-exact comparisons of the fp32 masters). Tolerances are stated where they
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -63,14 +64,34 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int) -> t
     return ((model(x) - y) ** 2).mean() / micro
 
 
-def run_reference(model, opt_cls, data, **kw) -> nn.Module:
+def run_reference(model, opt_cls, data, **kw) -> torch.optim.Optimizer:
+    """Train ``model`` in place with torch's optimizer; returns the optimizer."""
     opt = opt_cls(make_groups(model), lr=1e-2, **kw)
     for step in data:
         for x, y in step:
             loss_fn(model, x, y, len(step)).backward()
         opt.step()
         opt.zero_grad()
-    return model
+    return opt
+
+
+@dataclass
+class Twins:
+    """Two copies of one TinyNet: ``ref`` already trained on ``data`` by torch's optimizer,
+    ``ours`` untouched (for the offloaded optimizer); ``base`` is the initial model."""
+
+    base: TinyNet
+    ref: TinyNet
+    ours: TinyNet
+    data: list[list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def twins(seed: int, n: int, micro: int, opt_cls=torch.optim.Adam, **kw) -> Twins:
+    torch.manual_seed(seed)
+    base = TinyNet()
+    t = Twins(base, copy.deepcopy(base), copy.deepcopy(base), batches(n, micro, seed))
+    run_reference(t.ref, opt_cls, t.data, **kw)
+    return t
 
 
 def run_offload(model, data, adamw: bool, use_backward: bool = True, **kw) -> CPUOffloadAdam:
@@ -90,13 +111,10 @@ def run_offload(model, data, adamw: bool, use_backward: bool = True, **kw) -> CP
 @pytest.mark.parametrize("adamw", [False, True])
 @pytest.mark.parametrize("use_backward", [False, True])
 def test_matches_torch_adam_fp32(adamw: bool, use_backward: bool) -> None:
-    torch.manual_seed(0)
-    base = TinyNet()
-    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
-    data = batches(n=5, micro=3)
-    run_reference(ref, torch.optim.AdamW if adamw else torch.optim.Adam, data)
+    t = twins(seed=0, n=5, micro=3, opt_cls=torch.optim.AdamW if adamw else torch.optim.Adam)
+    ref, ours = t.ref, t.ours
     opt = run_offload(
-        ours, data, adamw, use_backward, working_dtype=torch.float32, bucket_numel=100
+        ours, t.data, adamw, use_backward, working_dtype=torch.float32, bucket_numel=100
     )
     assert len(opt._buckets) > 2  # several buckets, so bucket boundaries are exercised
     for (name, a), b, m in zip(
@@ -105,31 +123,23 @@ def test_matches_torch_adam_fp32(adamw: bool, use_backward: bool) -> None:
         torch.testing.assert_close(b, a, **FP32_TOL, msg=name)
         torch.testing.assert_close(m, a.detach(), **FP32_TOL, msg=name)
     # a parameter that never got a gradient is untouched, as in torch (no weight decay applied)
-    torch.testing.assert_close(ours.unused.weight, base.unused.weight, rtol=0, atol=0)
+    torch.testing.assert_close(ours.unused.weight, t.base.unused.weight, rtol=0, atol=0)
     opt.close()
 
 
 def test_masters_bit_exact_vs_fused_torch_adamw() -> None:
-    torch.manual_seed(1)
-    base = TinyNet()
-    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
-    data = batches(n=4, micro=2, seed=1)
-    run_reference(ref, torch.optim.AdamW, data, fused=True)
-    opt = run_offload(ours, data, adamw=True, working_dtype=torch.float32)
-    for a, m in zip(ref.parameters(), masters_in_model_order(opt, ours), strict=True):
+    t = twins(seed=1, n=4, micro=2, opt_cls=torch.optim.AdamW, fused=True)
+    opt = run_offload(t.ours, t.data, adamw=True, working_dtype=torch.float32)
+    for a, m in zip(t.ref.parameters(), masters_in_model_order(opt, t.ours), strict=True):
         assert torch.equal(m, a.detach())
     opt.close()
 
 
 def test_bf16_working_weights_track_fp32_reference() -> None:
-    torch.manual_seed(2)
-    base = TinyNet()
-    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
-    data = batches(n=4, micro=2, seed=2)
-    run_reference(ref, torch.optim.Adam, data)
-    opt = run_offload(ours, data, adamw=False)
+    t = twins(seed=2, n=4, micro=2)
+    opt = run_offload(t.ours, t.data, adamw=False)
     for a, b, m in zip(
-        ref.parameters(), ours.parameters(), masters_in_model_order(opt, ours), strict=True
+        t.ref.parameters(), t.ours.parameters(), masters_in_model_order(opt, t.ours), strict=True
     ):
         assert b.dtype == torch.bfloat16 and m.dtype == torch.float32
         assert torch.equal(b, m.to(torch.bfloat16))  # working copy = master rounded to bf16
@@ -139,19 +149,22 @@ def test_bf16_working_weights_track_fp32_reference() -> None:
     opt.close()
 
 
-def test_state_dict_round_trip_mid_training() -> None:
-    torch.manual_seed(3)
-    base = TinyNet()
-    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
-    data = batches(n=6, micro=2, seed=3)
-    run_reference(ref, torch.optim.Adam, data)
-
-    opt = run_offload(ours, data[:3], adamw=False, working_dtype=torch.float32)
+def test_state_dict_matches_torch_and_round_trips_mid_training() -> None:
+    t = twins(seed=3, n=6, micro=2)
+    opt = run_offload(t.ours, t.data[:3], adamw=False, working_dtype=torch.float32)
     state = opt.state_dict()
-    assert set(state["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master"}
-    assert float(state["state"][0]["step"]) == 3
-    assert len(state["param_groups"]) == 2 and state["param_groups"][1]["lr"] == 3e-3
     opt.close()
+
+    # the same layout and values as torch.optim.Adam's after the same three steps
+    torch_state = run_reference(copy.deepcopy(t.base), torch.optim.Adam, t.data[:3]).state_dict()
+    assert sorted(state["state"]) == sorted(torch_state["state"])  # "unused" has no state
+    for idx, theirs in torch_state["state"].items():
+        mine = state["state"][idx]
+        assert float(mine["step"]) == float(theirs["step"]) == 3
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(mine[key], theirs[key], **FP32_TOL, msg=f"{idx} {key}")
+    for mine, theirs in zip(state["param_groups"], torch_state["param_groups"], strict=True):
+        assert mine == {k: theirs[k] for k in mine}
 
     # a fresh model (different weights) and optimizer continue from the saved state
     torch.manual_seed(99)
@@ -159,11 +172,11 @@ def test_state_dict_round_trip_mid_training() -> None:
     opt2 = CPUOffloadAdam(make_groups(resumed), lr=0.5, working_dtype=torch.float32)
     opt2.load_state_dict(state)
     assert opt2.param_groups[0]["lr"] == 1e-2  # hyper-parameters restored too
-    for step in data[3:]:
+    for step in t.data[3:]:
         for i, (x, y) in enumerate(step):
             opt2.backward(loss_fn(resumed, x, y, len(step)), final=i == len(step) - 1)
         opt2.step()
-    for (name, a), b in zip(ref.named_parameters(), resumed.parameters(), strict=True):
+    for (name, a), b in zip(t.ref.named_parameters(), resumed.parameters(), strict=True):
         if name.startswith("unused"):
             continue  # never stepped: no saved state, keeps the fresh model's init
         torch.testing.assert_close(b, a, **FP32_TOL, msg=name)
@@ -182,15 +195,13 @@ def test_zero_grad_discards_accumulated_gradients() -> None:
     opt.step()
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
+    assert opt.state_dict()["state"] == {}  # no parameter was stepped
     opt.close()
 
 
 def test_loss_scale_unscales_and_skips_on_inf() -> None:
-    torch.manual_seed(5)
-    base = TinyNet()
-    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
-    data = batches(n=3, micro=2, seed=5)
-    run_reference(ref, torch.optim.Adam, data)
+    t = twins(seed=5, n=3, micro=2)
+    ref, ours, data = t.ref, t.ours, t.data
     opt = CPUOffloadAdam(make_groups(ours), lr=1e-2, working_dtype=torch.float32)
     for step in data:
         for i, (x, y) in enumerate(step):
@@ -214,9 +225,26 @@ def test_loss_scale_unscales_and_skips_on_inf() -> None:
     opt.close()
 
 
-def test_adamw_subclass_defaults() -> None:
-    opt = CPUOffloadAdamW(nn.Linear(2, 2).parameters(), working_dtype=torch.float32)
-    assert opt.adamw and opt.param_groups[0]["weight_decay"] == 1e-2
+def test_adamw_subclass_has_torch_adamw_defaults() -> None:
+    torch.manual_seed(7)
+    base = nn.Linear(3, 2)
+    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
+    torch_opt = torch.optim.AdamW(ref.parameters())
+    opt = CPUOffloadAdamW(ours.parameters(), working_dtype=torch.float32)
+    assert opt.adamw
+    group = opt.param_groups[0]
+    assert {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")} == {
+        k: torch_opt.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")
+    }
+    x = torch.randn(4, 3)
+    for _ in range(3):
+        ref(x).square().sum().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        opt.backward(ours(x).square().sum(), final=True)
+        opt.step()
+    for a, b in zip(ref.parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b, a, **FP32_TOL)
     opt.close()
 
 
@@ -269,15 +297,11 @@ def test_gpu_path_matches_cpu_torch_adam(grad_accumulation: str, adamw: bool) ->
     """bf16 working weights on the GPU; the fp32 masters must equal, bit for bit, a CPU
     torch.optim.Adam(W)(fused=True) fed the same fp32-accumulated gradients of an identical
     bf16 GPU model, and stay close (bf16 tolerance) to a pure fp32 reference."""
-    torch.manual_seed(6)
-    base = TinyNet()
-    fp32_ref = copy.deepcopy(base)
-    ours = copy.deepcopy(base)
-    masters = copy.deepcopy(base)  # fp32 on CPU: the reference masters
-    twin = copy.deepcopy(base).cuda().to(torch.bfloat16)  # computes the reference gradients
-    data = batches(n=4, micro=3, seed=6)
     opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    run_reference(fp32_ref, opt_cls, data)
+    t = twins(seed=6, n=4, micro=3, opt_cls=opt_cls)
+    fp32_ref, ours, data = t.ref, t.ours, t.data
+    masters = copy.deepcopy(t.base)  # fp32 on CPU: the reference masters
+    twin = copy.deepcopy(t.base).cuda().to(torch.bfloat16)  # computes the reference gradients
     ref_opt = opt_cls(make_groups(masters), lr=1e-2, fused=True)
 
     opt = CPUOffloadAdam(
