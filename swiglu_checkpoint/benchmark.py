@@ -39,11 +39,8 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -61,7 +58,6 @@ from effdl.cli import (
 from effdl.gc_pause import gc_paused
 from effdl.models.swiglu import Checkpointed, MLPStack, SwigluMLP
 from effdl.ops.swiglu import (
-    ELEMENTWISE_ENV,
     CheckpointLevel,
     MemoryOptimizedSwigluMLP,
     elementwise_ops,
@@ -236,30 +232,14 @@ def parse_args():
     return p.parse_args()
 
 
-@contextmanager
-def elementwise_backend(variant: str) -> Iterator[None]:
-    """Force the elementwise path of the ``level0_<backend>`` variants; leave the default
-    otherwise."""
-    if variant not in FORCED_BACKEND:
-        yield
-        return
-    previous = os.environ.get(ELEMENTWISE_ENV)
-    os.environ[ELEMENTWISE_ENV] = FORCED_BACKEND[variant]
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[ELEMENTWISE_ENV]
-        else:
-            os.environ[ELEMENTWISE_ENV] = previous
-
-
 def build(variant: str, shape: Shape, dtype: torch.dtype, device, residual: bool) -> nn.Module:
     kw = {"device": device, "dtype": dtype}
     h, i = shape.hidden_dim, shape.intermediate_size
     if variant in LEVEL_VARIANTS:
         layers = [
-            MemoryOptimizedSwigluMLP(h, i, LEVEL_VARIANTS[variant], **kw)
+            MemoryOptimizedSwigluMLP(
+                h, i, LEVEL_VARIANTS[variant], elementwise=FORCED_BACKEND.get(variant, "auto"), **kw
+            )
             for _ in range(shape.num_layers)
         ]
     else:
@@ -330,8 +310,7 @@ def build_contender(variant: str, shape: Shape, dtype: torch.dtype, device, args
     cuda = device.type == "cuda"
     before = torch.cuda.memory_allocated(device) if cuda else 0
     seed_everything(args.seed)
-    with elementwise_backend(variant):
-        model = build(variant, shape, dtype, device, residual=not args.no_residual)
+    model = build(variant, shape, dtype, device, residual=not args.no_residual)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     size = (shape.batch_size, shape.seq_len, shape.hidden_dim)
     x = torch.randn(size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
@@ -349,22 +328,21 @@ def run_steps(
 ) -> None:
     """``steps`` training steps of ``c`` back to back (timed when given timers); the gradients
     are dropped before each step and after the last, so an idle variant holds only its base."""
-    with elementwise_backend(variant):
-        for _ in range(steps):
-            c.model.zero_grad(set_to_none=True)
-            c.x.grad = None
-            if fwd is not None:
-                fwd.start()
-            y = c.model(c.x)
-            if fwd is not None:
-                fwd.stop()
-                bwd.start()
-            y.backward(c.dy)
-            if bwd is not None:
-                bwd.stop()
-            del y
+    for _ in range(steps):
         c.model.zero_grad(set_to_none=True)
         c.x.grad = None
+        if fwd is not None:
+            fwd.start()
+        y = c.model(c.x)
+        if fwd is not None:
+            fwd.stop()
+            bwd.start()
+        y.backward(c.dy)
+        if bwd is not None:
+            bwd.stop()
+        del y
+    c.model.zero_grad(set_to_none=True)
+    c.x.grad = None
 
 
 def warm_up(
@@ -499,8 +477,8 @@ def backend_of(variant: str, shape, dtype: torch.dtype, device: torch.device) ->
     effdl backend (torch, jiterator, triton)."""
     if variant not in LEVEL_VARIANTS:
         return "aten"
-    with elementwise_backend(variant):
-        return elementwise_ops(device, shape.tokens * shape.intermediate_size, dtype).name
+    numel = shape.tokens * shape.intermediate_size
+    return elementwise_ops(device, numel, dtype, FORCED_BACKEND.get(variant, "auto")).name
 
 
 def ratio(num: float | None, den: float | None) -> float:
