@@ -479,10 +479,8 @@ def test_auto_takes_triton_from_the_threshold_up(triton_present, dtype):
     assert elementwise_ops(torch.device("cpu"), threshold, dtype) is TORCH_OPS
 
 
-# (tokens, intermediate, dtype, faster level-0 path on one H100): every config of the full runs
-# under reports/results/swiglu/runs_session12/ (level0_jiterator vs level0_triton) whose two
-# paths differ by more than 2% the same way in every run. Elsewhere the two tie (GPU-bound steps,
-# same bytes), and Triton is taken there for levels 1 and 2 (see TRITON_MIN_ELEMENTS).
+# (tokens, intermediate, dtype, faster level-0 path): the benchmark's configs where one path was
+# faster on an H100 in every full run (the SwiGLU report); TRITON_MIN_ELEMENTS must keep them so.
 H100_FASTER = [
     (16 * 128, 2048, torch.bfloat16, "jiterator"),
     (32 * 128, 2048, torch.bfloat16, "jiterator"),
