@@ -288,9 +288,10 @@ def stack_variant(
     variant: str, shape: Shape, dtype: torch.dtype, device: torch.device, residual: bool, seed: int
 ) -> Variant:
     """``variant``'s stack, input and output gradient, seeded alike for every variant; a step is
-    a forward and the backward of the fixed gradient, timed as regions ``fwd`` and ``bwd``. The
-    gradients are dropped before each step and after the last, so an idle variant holds only
-    its weights, x and dy."""
+    a forward and the backward of the fixed gradient, timed as regions ``fwd`` and ``bwd`` (their
+    sum falls short of the step where the host bounds it: the host's work between steps shows on
+    the GPU's clock only once the GPU has caught up). The gradients are dropped before each step
+    and after the last, so an idle variant holds only its weights, x and dy."""
 
     def build():
         seed_everything(seed)
