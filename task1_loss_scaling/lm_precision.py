@@ -41,7 +41,7 @@ import math
 import statistics
 import time
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +89,9 @@ PURE_LOW = {"pure_fp16"}
 REFERENCE = "torch_autocast_torch_scaler"
 PIPELINES = ("ultra", "bigbrain", "brain")  # length-bucketed, pad-to-batch-max, pad-to-max
 CHECK_EVERY = 25  # steps between divergence checks (each is one host sync)
+# The settings every record's config carries (with the vocabulary, device and corpus).
+RECORDED = ("d_model", "n_layers", "n_heads", "d_ff", "max_length", "batch_size", "pipeline", "k",
+            "steps", "lr", "warmup_steps", "amp_dtype", "static_scale", "growth_interval")  # fmt: skip
 
 
 @dataclass
@@ -132,49 +135,17 @@ class LMPrecisionConfig:
         if not self.static_scale > 0:
             raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
 
+    @property
+    def n_heads(self) -> int:
+        return 8 if self.d_model >= 256 else 4
 
-FULL = LMPrecisionConfig()
-QUICK = LMPrecisionConfig(n_samples=2_500, synthetic_vocab=20_000, noise_seeds=1, steps=30, batch_size=8, max_length=64,
-                          max_vocab=2048, d_model=64, n_layers=2, warmup_steps=5, eval_batches=4,
-                          timing_reps=4)  # fmt: skip
+    @property
+    def d_ff(self) -> int:
+        return 2 * self.d_model
 
-
-@dataclass
-class TrainSettings:
-    """What every record's config carries: the model and training settings as run."""
-
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    vocab_size: int
-    max_length: int
-    batch_size: int
-    pipeline: str
-    k: int
-    steps: int
-    lr: float
-    warmup_steps: int
-    amp_dtype: str
-    static_scale: float
-    growth_interval: int
-    device: str
-    corpus: str
-
-    @classmethod
-    def of(cls, cfg: LMPrecisionConfig, vocab_size: int, corpus: str, device: torch.device):
-        return cls(
-            d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=8 if cfg.d_model >= 256 else 4,
-            d_ff=2 * cfg.d_model, vocab_size=vocab_size, max_length=cfg.max_length,
-            batch_size=cfg.batch_size, pipeline=cfg.pipeline, k=cfg.k, steps=cfg.steps,
-            lr=cfg.lr, warmup_steps=cfg.warmup_steps, amp_dtype=cfg.amp_dtype,
-            static_scale=cfg.static_scale, growth_interval=cfg.growth_interval,
-            device=str(device), corpus=corpus,
-        )  # fmt: skip
-
-    def model_config(self) -> GPTLikeConfig:
+    def model_config(self, vocab_size: int) -> GPTLikeConfig:
         return GPTLikeConfig(
-            vocab_size=self.vocab_size,
+            vocab_size=vocab_size,
             d_model=self.d_model,
             n_heads=self.n_heads,
             n_layers=self.n_layers,
@@ -182,6 +153,17 @@ class TrainSettings:
             dropout=0.0,  # seeds then only change the init: a clean run-to-run noise estimate
             max_length=self.max_length,
         )
+
+    def recorded(self, data: LMData, device: torch.device) -> dict:
+        """The settings a log record's config carries, with the vocabulary and corpus used."""
+        return {**{name: getattr(self, name) for name in RECORDED}, "vocab_size": len(data.vocab),
+                "device": str(device), "corpus": data.source}  # fmt: skip
+
+
+FULL = LMPrecisionConfig()
+QUICK = LMPrecisionConfig(n_samples=2_500, synthetic_vocab=20_000, noise_seeds=1, steps=30, batch_size=8, max_length=64,
+                          max_vocab=2048, d_model=64, n_layers=2, warmup_steps=5, eval_batches=4,
+                          timing_reps=4)  # fmt: skip
 
 
 @dataclass
@@ -294,15 +276,15 @@ def prepare_data(cfg: LMPrecisionConfig, run: Run) -> LMData:
     )  # fmt: skip
 
 
-def build(setup: str, seed: int, settings: TrainSettings, device: torch.device):
+def build(setup: str, seed: int, cfg: LMPrecisionConfig, vocab_size: int, device: torch.device):
     seed_everything(seed)
-    model = GPTLikeModel(settings.model_config()).to(device)
+    model = GPTLikeModel(cfg.model_config(vocab_size)).to(device)
     if setup in PURE_LOW:
-        model.to(LOW_DTYPES[settings.amp_dtype])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
-    prec = build_precision(SETUPS[setup], device, LOW_DTYPES[settings.amp_dtype],
-                           static_scale=settings.static_scale,
-                           growth_interval=settings.growth_interval)  # fmt: skip
+        model.to(LOW_DTYPES[cfg.amp_dtype])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    prec = build_precision(SETUPS[setup], device, LOW_DTYPES[cfg.amp_dtype],
+                           static_scale=cfg.static_scale,
+                           growth_interval=cfg.growth_interval)  # fmt: skip
     return model, optimizer, prec
 
 
@@ -350,16 +332,16 @@ def evaluate(model, batches: list[Batch], prec: Precision) -> tuple[float, float
     return loss.item(), acc.item()
 
 
-def train_run(setup: str, seed: int, role: str, settings: TrainSettings, run: Run,
+def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run,
               data: LMData) -> dict:  # fmt: skip
     """Train one setup; log every step and a final record; return the summary and the curve."""
-    model, optimizer, prec = build(setup, seed, settings, run.device)
+    model, optimizer, prec = build(setup, seed, cfg, len(data.vocab), run.device)
     loss_fn, acc_fn = LMCrossEntropyLoss(), LMAccuracy()
     losses, accs, scales, skipped = [], [], [], []
     diverged_at = None
-    for step in tqdm(range(settings.steps), desc=f"{setup} s{seed}", leave=False):
+    for step in tqdm(range(cfg.steps), desc=f"{setup} s{seed}", leave=False):
         for g in optimizer.param_groups:
-            g["lr"] = settings.lr * min(1.0, (step + 1) / max(1, settings.warmup_steps))
+            g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         batch = data.train[step]
         logits, loss = train_step(model, batch, optimizer, prec, loss_fn)
         losses.append(loss.detach().float())
@@ -367,7 +349,7 @@ def train_run(setup: str, seed: int, role: str, settings: TrainSettings, run: Ru
         scale, skip = prec.scale_and_skipped()
         scales.append(scale)
         skipped.append(skip)
-        if (step + 1) % CHECK_EVERY == 0 or step + 1 == settings.steps:
+        if (step + 1) % CHECK_EVERY == 0 or step + 1 == cfg.steps:
             window = torch.stack(losses[-CHECK_EVERY:])
             if not bool(window.isfinite().all()):  # one sync per window
                 bad = (~window.isfinite()).nonzero()[0, 0].item()
@@ -375,7 +357,7 @@ def train_run(setup: str, seed: int, role: str, settings: TrainSettings, run: Ru
                 break
     losses_h, accs_h = torch.stack(losses).tolist(), torch.stack(accs).tolist()
     config = {"kind": "step", "run_id": run.run_id, "setup": setup, "seed": seed, "role": role,
-              **asdict(settings)}  # fmt: skip
+              **cfg.recorded(data, run.device)}  # fmt: skip
     for i, (lo, ac, sc, sk) in enumerate(zip(losses_h, accs_h, scales, skipped, strict=True)):
         run.log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
                                 "skipped": sk})  # fmt: skip
@@ -433,16 +415,16 @@ def log_finals(runs: list[dict], log: RunLog) -> None:
         log.log(r["setup"], {**r["config"], "kind": "final"}, metrics)
 
 
-def train_all(cfg: LMPrecisionConfig, settings: TrainSettings, run: Run, data: LMData):
+def train_all(cfg: LMPrecisionConfig, run: Run, data: LMData) -> list[dict]:
     """Every setup with the main seed, and the reference with --noise-seeds other seeds."""
     jobs = [(s, run.seed, "main") for s in cfg.setups]
     if REFERENCE in cfg.setups:
         jobs += [(REFERENCE, run.seed + i, "noise") for i in range(1, cfg.noise_seeds + 1)]
-    return [train_run(s, seed, role, settings, run, data)
+    return [train_run(s, seed, role, cfg, run, data)
             for s, seed, role in tqdm(jobs, desc="runs", unit="run")]  # fmt: skip
 
 
-def time_setups(cfg: LMPrecisionConfig, settings: TrainSettings, run: Run, batch: Batch):
+def time_setups(cfg: LMPrecisionConfig, run: Run, data: LMData, batch: Batch) -> list[dict]:
     """Time of one training step and of its gradient computation, per setup, on one fixed
     batch: ``--timing-reps`` steps of fresh models (same seed), one per round of the harness."""
     reps = cfg.timing_reps
@@ -452,7 +434,7 @@ def time_setups(cfg: LMPrecisionConfig, settings: TrainSettings, run: Run, batch
 
     def variant(setup: str) -> Variant:
         def build_step():
-            model, opt, prec = build(setup, 0, settings, run.device)
+            model, opt, prec = build(setup, 0, cfg, len(data.vocab), run.device)
             loss_fn = LMCrossEntropyLoss()
 
             def step(n: int, regions: Regions | None) -> None:
@@ -472,7 +454,7 @@ def time_setups(cfg: LMPrecisionConfig, settings: TrainSettings, run: Run, batch
     rows = []
     for s, result in results.items():
         config = {"kind": "timing", "run_id": run.run_id, "setup": s, "warmup": warmup,
-                  "batch_shape": list(batch.input_ids.shape), **asdict(settings)}  # fmt: skip
+                  "batch_shape": list(batch.input_ids.shape), **cfg.recorded(data, run.device)}  # fmt: skip
         if result.oom:
             run.log.log(s, config, {"oom": True})
             rows.append({"setup": s, "oom": True})
@@ -488,12 +470,12 @@ def time_setups(cfg: LMPrecisionConfig, settings: TrainSettings, run: Run, batch
     return rows
 
 
-def time_all(cfg: LMPrecisionConfig, settings: TrainSettings, run: Run, data: LMData) -> None:
+def time_all(cfg: LMPrecisionConfig, run: Run, data: LMData) -> None:
     """Time the setups on each fixed timing batch and print the table and the targets."""
     for rows in cfg.timing_batch_sizes or [cfg.batch_size]:
         fixed = pad_batch([data.train_corpus[i] for i in range(rows)], data.vocab.pad_id,
                           pad_to=cfg.max_length).to(run.device)  # fmt: skip
-        timing = time_setups(cfg, settings, run, fixed)
+        timing = time_setups(cfg, run, data, fixed)
         print_table(timing, title=f"One gradient computation (fwd+bwd) and one training step, "
                     f"fixed {rows}x{cfg.max_length} batch, median, on {run.where}")  # fmt: skip
         by = {t["setup"]: t for t in timing if not t.get("oom")}
@@ -506,7 +488,7 @@ def time_all(cfg: LMPrecisionConfig, settings: TrainSettings, run: Run, data: LM
                   f"{by['amp_dynamic']['step_vs_ref']:.3f} (target <= 1.03)")  # fmt: skip
 
 
-def print_runs(runs: list[dict], settings: TrainSettings, run: Run) -> None:
+def print_runs(runs: list[dict], cfg: LMPrecisionConfig, run: Run) -> None:
     print_table(
         [{"setup": r["setup"], "seed": r["seed"], "role": r["role"],
           "heldout_loss": r["heldout_loss"], "heldout_acc": r["heldout_accuracy"],
@@ -514,7 +496,7 @@ def print_runs(runs: list[dict], settings: TrainSettings, run: Run) -> None:
           "skipped": r["skipped_steps"], "final_scale": r["final_scale"],
           "curve_gap_ref": r.get("curve_gap_to_reference"),
           "within_noise": r.get("within_noise")} for r in runs],
-        title=f"Training, {settings.steps} steps per run, on {run.where} (log: {run.log.path}); "
+        title=f"Training, {cfg.steps} steps per run, on {run.where} (log: {run.log.path}); "
         f"noise = reference rerun with other seeds",
     )  # fmt: skip
 
@@ -523,16 +505,15 @@ def main() -> None:
     cfg, run = parse_config()
     t0 = time.perf_counter()
     data = prepare_data(cfg, run)
-    settings = TrainSettings.of(cfg, len(data.vocab), data.source, run.device)
     print(f"data: {data.source}: {len(data.train_corpus):,} train / "
           f"{cfg.eval_batches * cfg.batch_size:,} held-out samples, vocab {len(data.vocab):,}, "
           f"{time.perf_counter() - t0:.1f} s; device: {run.where}; "
           f"low precision: {cfg.amp_dtype}")  # fmt: skip
-    runs = train_all(cfg, settings, run, data)
+    runs = train_all(cfg, run, data)
     log_finals(runs, run.log)
     if cfg.timing_reps > 0:
-        time_all(cfg, settings, run, data)
-    print_runs(runs, settings, run)
+        time_all(cfg, run, data)
+    print_runs(runs, cfg, run)
 
 
 if __name__ == "__main__":
