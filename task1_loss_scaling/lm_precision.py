@@ -90,8 +90,22 @@ REFERENCE = "torch_autocast_torch_scaler"
 PIPELINES = ("ultra", "bigbrain", "brain")  # length-bucketed, pad-to-batch-max, pad-to-max
 CHECK_EVERY = 25  # steps between divergence checks (each is one host sync)
 # The settings every record's config carries (with the vocabulary, device and corpus).
-RECORDED = ("d_model", "n_layers", "n_heads", "d_ff", "max_length", "batch_size", "pipeline", "k",
-            "steps", "lr", "warmup_steps", "amp_dtype", "static_scale", "growth_interval")  # fmt: skip
+RECORDED = (
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "max_length",
+    "batch_size",
+    "pipeline",
+    "k",
+    "steps",
+    "lr",
+    "warmup_steps",
+    "amp_dtype",
+    "static_scale",
+    "growth_interval",
+)
 
 
 @dataclass
@@ -161,9 +175,20 @@ class LMPrecisionConfig:
 
 
 FULL = LMPrecisionConfig()
-QUICK = LMPrecisionConfig(n_samples=2_500, synthetic_vocab=20_000, noise_seeds=1, steps=30, batch_size=8, max_length=64,
-                          max_vocab=2048, d_model=64, n_layers=2, warmup_steps=5, eval_batches=4,
-                          timing_reps=4)  # fmt: skip
+QUICK = LMPrecisionConfig(
+    n_samples=2_500,
+    synthetic_vocab=20_000,
+    noise_seeds=1,
+    steps=30,
+    batch_size=8,
+    max_length=64,
+    max_vocab=2048,
+    d_model=64,
+    n_layers=2,
+    warmup_steps=5,
+    eval_batches=4,
+    timing_reps=4,
+)
 
 
 @dataclass
@@ -454,7 +479,8 @@ def time_setups(cfg: LMPrecisionConfig, run: Run, data: LMData, batch: Batch) ->
     rows = []
     for s, result in results.items():
         config = {"kind": "timing", "run_id": run.run_id, "setup": s, "warmup": warmup,
-                  "batch_shape": list(batch.input_ids.shape), **cfg.recorded(data, run.device)}  # fmt: skip
+                  "batch_shape": list(batch.input_ids.shape),
+                  **cfg.recorded(data, run.device)}  # fmt: skip
         if result.oom:
             run.log.log(s, config, {"oom": True})
             rows.append({"setup": s, "oom": True})
