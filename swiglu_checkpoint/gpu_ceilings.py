@@ -10,16 +10,20 @@ by datasheet peaks. Also the project's example of the task-script conventions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from tqdm import tqdm
 
 from effdl.cli import (
+    ConfigFlags,
     UsageError,
     base_parser,
-    device_from_arg,
     print_table,
+    require_choices,
+    require_positive,
     run_main,
-    seed_everything,
+    start_run,
 )
 from effdl.profiling.flops import measure_copy_bandwidth, measure_matmul_tflops
 from effdl.results import RunLog
@@ -32,51 +36,46 @@ DTYPES = {
 }
 
 
+@dataclass(frozen=True)
+class CeilingsConfig:
+    """GEMM sizes and dtypes, the copy's size, and the timed calls per measurement."""
+
+    sizes: list[int] = field(default_factory=lambda: [4096, 8192])
+    dtypes: list[str] = field(default_factory=lambda: list(DTYPES))
+    copy_gib: float = 4.0
+    iters: int = 20
+
+    def validate(self) -> None:
+        require_choices(self, "dtypes", DTYPES)
+        require_positive(self, "sizes", "iters")
+        if not self.copy_gib > 0:
+            raise UsageError(f"--copy-gib must be > 0, got {self.copy_gib}")
+
+
+FULL = CeilingsConfig()
+QUICK = CeilingsConfig(sizes=[256, 512], copy_gib=1 / 16, iters=3)
+
+
 def parse_args():
     p = base_parser(__doc__.splitlines()[0], default_out="runs/ceilings")
-    p.add_argument(
-        "--sizes",
-        type=int,
-        nargs="+",
-        default=None,
-        help="GEMM sizes n (n x n x n); default 4096 8192 on CUDA, 256 512 with --quick",
-    )
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), help=f"subset of {list(DTYPES)}")
-    p.add_argument(
-        "--copy-gib",
-        type=float,
-        default=None,
-        help="bytes copied for the bandwidth test (GiB); default 4, 0.0625 with --quick",
-    )
-    p.add_argument("--iters", type=int, default=20)
-    return p.parse_args()
+    flags = ConfigFlags(p, FULL, QUICK)
+    flags.add("sizes", type=int, nargs="+", help="GEMM sizes n (n x n x n)")
+    flags.add("dtypes", nargs="+", help=f"subset of {list(DTYPES)}")
+    flags.add("copy_gib", type=float, help="bytes copied for the bandwidth test (GiB)")
+    flags.add("iters", type=int, help="timed calls per measurement")
+    args = p.parse_args()
+    return args, flags.resolve(args)
 
 
-def main() -> None:
-    args = parse_args()
-    device = device_from_arg(args.device)
-    seed_everything(args.seed)
-    unknown = sorted(set(args.dtypes) - set(DTYPES))
-    if unknown:
-        raise UsageError(f"--dtypes: unknown {unknown}; expected a subset of {list(DTYPES)}")
-    if device.type == "cpu" and {"bf16", "fp16"} & set(args.dtypes) and not args.quick:
-        print(
-            "note: low-precision GEMMs on a CPU say little about a GPU; use --quick for a smoke run"
-        )
-    sizes = args.sizes or ([256, 512] if args.quick else [4096, 8192])
-    copy_gib = args.copy_gib if args.copy_gib is not None else (1 / 16 if args.quick else 4.0)
-    if min(sizes) <= 0 or copy_gib <= 0:
-        raise UsageError("--sizes and --copy-gib must be positive")
-    iters = 3 if args.quick else args.iters
-
-    log = RunLog(args.out / "ceilings.jsonl", task="ceilings")
+def measure_gemms(cfg: CeilingsConfig, device: torch.device, log: RunLog) -> list[dict]:
+    """TFLOP/s of every dtype and size, logged; TF32 allowed only for ``tf32`` (and restored)."""
     rows = []
-    work = [(d, n) for d in args.dtypes for n in sizes]
+    work = [(d, n) for d in cfg.dtypes for n in cfg.sizes]
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
         for name, n in tqdm(work, desc="GEMM", unit="shape"):
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-            tf, stats = measure_matmul_tflops(n, DTYPES[name], device, iters=iters)
+            tf, stats = measure_matmul_tflops(n, DTYPES[name], device, iters=cfg.iters)
             config = {"op": "matmul", "dtype": name, "n": n, "device": str(device)}
             log.log(f"matmul_{name}", config, {"tflops": tf, **stats.as_dict("time_s_")})
             rows.append(
@@ -90,25 +89,36 @@ def main() -> None:
             )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    return rows
 
-    nbytes = int(copy_gib * 1024**3)
-    gbs, stats = measure_copy_bandwidth(nbytes, device, iters=iters)
+
+def measure_copy(cfg: CeilingsConfig, device: torch.device, log: RunLog) -> dict:
+    """Device-to-device copy bandwidth (bytes read plus written), logged."""
+    nbytes = int(cfg.copy_gib * 1024**3)
+    gbs, stats = measure_copy_bandwidth(nbytes, device, iters=cfg.iters)
     log.log(
         "copy",
         {"op": "copy", "bytes": nbytes, "device": str(device)},
         {"gb_per_s": gbs, **stats.as_dict("time_s_")},
     )
-    rows.append(
-        {
-            "measure": "d2d copy (r+w)",
-            "size": nbytes,
-            "value": gbs,
-            "unit": "GB/s",
-            "median_ms": stats.median * 1e3,
-        }
-    )
+    return {
+        "measure": "d2d copy (r+w)",
+        "size": nbytes,
+        "value": gbs,
+        "unit": "GB/s",
+        "median_ms": stats.median * 1e3,
+    }
 
-    print_table(rows, title=f"Ceilings on {log.env['gpu'] or log.env['cpu']} (log: {log.path})")
+
+def main() -> None:
+    args, cfg = parse_args()
+    run = start_run(args, task="ceilings", logs="ceilings.jsonl")
+    if run.device.type == "cpu" and {"bf16", "fp16"} & set(cfg.dtypes) and not args.quick:
+        print(
+            "note: low-precision GEMMs on a CPU say little about a GPU; use --quick for a smoke run"
+        )
+    rows = [*measure_gemms(cfg, run.device, run.log), measure_copy(cfg, run.device, run.log)]
+    print_table(rows, title=f"Ceilings on {run.where} (log: {run.log.path})")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ show how far two correct runs drift apart: own Autocast's curve should stay with
 
 Logged to ``--out``/lm_precision.jsonl (variant = setup; ``config.kind`` says the record type):
 ``step`` (loss, accuracy, scale, skipped), ``final`` (held-out loss/accuracy, diverged flag,
-gaps to the reference), ``timing`` (one gradient computation = forward + loss + scaled
-backward, and one training step = that + unscale/skip check/optimizer step, each timed in a
-separate phase on one fixed (batch, max_length) batch: warm-up, CUDA events, setups interleaved
-in rounds, median).
+gaps to the reference), ``timing`` (one training step = forward + loss + scaled backward +
+unscale/skip check/optimizer step, and its gradient computation = the forward, loss and scaled
+backward within it, on one fixed (batch, max_length) batch, with the benchmark harness: setups
+alive side by side, one step per round with the start rotating, after a warm-up; median).
 
 A run whose training loss turns non-finite is stopped at the next check (every 25 steps) and
 marked diverged; the script goes on. Note for ``pure_fp16``: AdamW keeps its moments in fp16
@@ -25,9 +25,9 @@ decoder layers, d_ff 2048, no dropout (so seeds only change the init), vocabular
 (basic_english), samples cut to 256 tokens, length-bucketed batches of 32 (BalancedBatchSampler,
 k=16), 500 AdamW steps at lr 3e-4 after 50 warm-up steps, held-out set of 20 batches, 2 noise
 seeds, growth interval 100 for both dynamic scalers (initial scale 2**16), static scale 2**10,
-100 timed reps per setup and quantity. Data: ``--data`` (WikiText-103 files or parquet; a seeded
-subset of ``--n-samples`` = 30000 lines is used) or a generated WikiText-like corpus of that
-many samples. CPU ``--quick``: d_model 64, 2 layers, 64 tokens, batch 8, 30 steps (~25 s).
+100 timed steps per setup. Data: ``--data`` (WikiText-103 files or parquet; a seeded subset of
+``--n-samples`` = 30000 lines is used) or a generated WikiText-like corpus of that many samples.
+CPU ``--quick``: d_model 64, 2 layers, 64 tokens, batch 8, 30 steps (~25 s).
 
     python task1_loss_scaling/lm_precision.py --quick                  # CPU smoke run, < 60 s
     python task1_loss_scaling/lm_precision.py --device cuda            # the GPU experiment
@@ -36,24 +36,31 @@ many samples. CPU ``--quick``: d_model 64, 2 layers, 64 tokens, batch 8, 30 step
 
 from __future__ import annotations
 
+import contextlib
 import math
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from effdl.amp.precision import Precision, PrecisionSpec, build_precision
+from effdl.amp.precision import LOW_DTYPES, Precision, PrecisionSpec, build_precision
 from effdl.cli import (
+    ConfigFlags,
+    Run,
     UsageError,
-    add_text_corpus_args,
     base_parser,
-    device_from_arg,
     print_table,
+    require_choices,
     require_path,
+    require_positive,
     run_main,
     seed_everything,
+    start_run,
 )
 from effdl.data.corpus import (
     CorpusFormatError,
@@ -63,10 +70,11 @@ from effdl.data.corpus import (
 )
 from effdl.data.padding import Batch, pad_batch
 from effdl.data.pipelines import make_loader
-from effdl.data.tokenize import TokenizedCorpus, fit_basic_english
+from effdl.data.tokenize import TokenizedCorpus, Vocab, fit_basic_english
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
 from effdl.models.lm_objective import LMAccuracy, LMCrossEntropyLoss
-from effdl.profiling.timing import RegionTimer, TimingStats
+from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_variants
+from effdl.profiling.timing import TimingStats
 from effdl.results import RunLog
 
 SETUPS = {
@@ -79,69 +87,79 @@ SETUPS = {
 }
 PURE_LOW = {"pure_fp16"}
 REFERENCE = "torch_autocast_torch_scaler"
-LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PIPELINES = ("ultra", "bigbrain", "brain")  # length-bucketed, pad-to-batch-max, pad-to-max
 CHECK_EVERY = 25  # steps between divergence checks (each is one host sync)
-
-
-def parse_args():
-    p = base_parser(__doc__.splitlines()[0], default_out="runs/task1")
-    add_text_corpus_args(p, cache=False)
-    p.add_argument("--n-samples", type=int, default=None,
-                   help="text lines used (30000; quick 2500)")  # fmt: skip
-    p.add_argument("--setups", nargs="+", default=list(SETUPS), help=f"subset of {list(SETUPS)}")
-    p.add_argument("--noise-seeds", type=int, default=None,
-                   help="extra reference runs with other seeds (2; quick 1)")  # fmt: skip
-    p.add_argument(
-        "--steps", type=int, default=None, help="training steps per setup (500; quick 30)"
-    )
-    p.add_argument("--batch-size", type=int, default=None, help="32; quick 8")
-    p.add_argument("--max-length", type=int, default=None, help="tokens per sample (256; quick 64)")
-    p.add_argument("--max-vocab", type=int, default=None, help="32768; quick 2048")
-    p.add_argument("--d-model", type=int, default=None, help="1024; quick 64")
-    p.add_argument("--n-layers", type=int, default=None, help="4; quick 2")
-    p.add_argument("--pipeline", choices=PIPELINES, default="ultra")
-    p.add_argument("--k", type=int, default=16, help="length span of a bucket (ultra)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear lr warm-up (50; quick 5)")
-    p.add_argument("--eval-batches", type=int, default=None, help="held-out batches (20; quick 4)")
-    p.add_argument("--amp-dtype", choices=list(LOW_DTYPES), default="fp16")
-    p.add_argument("--static-scale", type=float, default=2.0**10,
-                   help="StaticGradScaler factor; one factor must fit the whole run, and gradients "
-                   "grow as the LM trains (2**16 overflowed on ~1 step in 6 in the CPU smoke run)")  # fmt: skip
-    p.add_argument("--growth-interval", type=int, default=100,
-                   help="both dynamic scalers (torch's default 2000 would never grow in 500 steps)")  # fmt: skip
-    p.add_argument("--timing-batch-sizes", type=int, nargs="+", default=None,
-                   help="rows of the fixed timing batch(es) of --max-length tokens (default: "
-                   "--batch-size); a larger one shows the GPU-bound regime")  # fmt: skip
-    p.add_argument("--timing-reps", type=int, default=None,
-                   help="timed reps per setup and quantity (100; quick 4; 0 = no timing)")  # fmt: skip
-    return p.parse_args()
+# The settings every record's config carries (with the vocabulary, device and corpus).
+RECORDED = (
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "max_length",
+    "batch_size",
+    "pipeline",
+    "k",
+    "steps",
+    "lr",
+    "warmup_steps",
+    "amp_dtype",
+    "static_scale",
+    "growth_interval",
+)
 
 
 @dataclass
-class Config:
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    vocab_size: int
-    max_length: int
-    batch_size: int
-    pipeline: str
-    k: int
-    steps: int
-    lr: float
-    warmup_steps: int
-    amp_dtype: str
-    static_scale: float
-    growth_interval: int
-    device: str
-    corpus: str
+class LMPrecisionConfig:
+    """Settings of one run; the defaults are the GPU experiment."""
 
-    def model_config(self) -> GPTLikeConfig:
+    data: Path | None = None  # WikiText-103 files or a parquet; None: the generated corpus
+    n_samples: int = 30_000
+    synthetic_vocab: int = 200_000  # distinct words of the generated corpus
+    setups: list[str] = field(default_factory=lambda: list(SETUPS))
+    noise_seeds: int = 2
+    steps: int = 500
+    batch_size: int = 32
+    max_length: int = 256
+    max_vocab: int = 32768
+    d_model: int = 1024
+    n_layers: int = 4
+    pipeline: str = "ultra"
+    k: int = 16
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    eval_batches: int = 20
+    amp_dtype: str = "fp16"
+    # One factor must fit the whole run, and gradients grow as the LM trains (2**16 overflowed
+    # on about 1 step in 6 in the CPU smoke run).
+    static_scale: float = 2.0**10
+    growth_interval: int = 100  # torch's default 2000 would never grow in 500 steps
+    timing_batch_sizes: list[int] = field(default_factory=list)  # empty: --batch-size
+    timing_reps: int = 100
+
+    def validate(self) -> None:
+        require_positive(self, "n_samples", "steps", "batch_size", "max_length", "max_vocab",
+                         "d_model", "n_layers", "eval_batches", minimum=2)  # fmt: skip
+        require_positive(self, "noise_seeds", "k", "lr", "warmup_steps", "timing_reps", minimum=0)
+        require_positive(self, "growth_interval", "synthetic_vocab", "timing_batch_sizes")
+        require_choices(self, "setups", SETUPS)
+        require_choices(self, "pipeline", PIPELINES)
+        require_choices(self, "amp_dtype", LOW_DTYPES)
+        if self.d_model % 8:
+            raise UsageError(f"--d-model must be a multiple of 8 (the heads), got {self.d_model}")
+        if not self.static_scale > 0:
+            raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
+
+    @property
+    def n_heads(self) -> int:
+        return 8 if self.d_model >= 256 else 4
+
+    @property
+    def d_ff(self) -> int:
+        return 2 * self.d_model
+
+    def model_config(self, vocab_size: int) -> GPTLikeConfig:
         return GPTLikeConfig(
-            vocab_size=self.vocab_size,
+            vocab_size=vocab_size,
             d_model=self.d_model,
             n_heads=self.n_heads,
             n_layers=self.n_layers,
@@ -150,23 +168,90 @@ class Config:
             max_length=self.max_length,
         )
 
+    def recorded(self, data: LMData, device: torch.device) -> dict:
+        """The settings a log record's config carries, with the vocabulary and corpus used."""
+        return {**{name: getattr(self, name) for name in RECORDED}, "vocab_size": len(data.vocab),
+                "device": str(device), "corpus": data.source}  # fmt: skip
 
-def load_lines(args, n_samples: int, quick: bool) -> tuple[list[str], str]:
+
+FULL = LMPrecisionConfig()
+QUICK = LMPrecisionConfig(
+    n_samples=2_500,
+    synthetic_vocab=20_000,
+    noise_seeds=1,
+    steps=30,
+    batch_size=8,
+    max_length=64,
+    max_vocab=2048,
+    d_model=64,
+    n_layers=2,
+    warmup_steps=5,
+    eval_batches=4,
+    timing_reps=4,
+)
+
+
+@dataclass
+class LMData:
+    """The tokenized corpus split into training and held-out samples, batched on the device."""
+
+    train_corpus: TokenizedCorpus
+    train: list[Batch]  # one per training step
+    heldout: list[Batch]
+    vocab: Vocab
+    source: str
+
+
+def parse_config() -> tuple[LMPrecisionConfig, Run]:
+    """The config from the flags (validated) and the run's preamble."""
+    p = base_parser(__doc__.splitlines()[0], default_out="runs/task1")
+    flags = ConfigFlags(p, FULL, QUICK)
+    flags.add("data", type=Path, help="wiki.train.raw/.tokens, their folder, or a parquet with "
+              "a 'text' column; none: the generated WikiText-103-like corpus")  # fmt: skip
+    flags.add("n_samples", type=int, help="text lines used")
+    flags.add("synthetic_vocab", type=int, help="distinct words of the generated corpus")
+    flags.add("setups", nargs="+", help="a subset of the six setups")
+    flags.add("noise_seeds", type=int, help="extra reference runs with other seeds")
+    flags.add("steps", type=int, help="training steps per setup")
+    flags.add("batch_size", type=int)
+    flags.add("max_length", type=int, help="tokens per sample")
+    flags.add("max_vocab", type=int)
+    flags.add("d_model", type=int)
+    flags.add("n_layers", type=int)
+    flags.add("pipeline", help=f"one of {list(PIPELINES)}")
+    flags.add("k", type=int, help="length span of a bucket (ultra)")
+    flags.add("lr", type=float)
+    flags.add("warmup_steps", type=int, help="linear lr warm-up")
+    flags.add("eval_batches", type=int, help="held-out batches")
+    flags.add("amp_dtype", help=f"one of {list(LOW_DTYPES)}")
+    flags.add("static_scale", type=float, help="StaticGradScaler factor")
+    flags.add("growth_interval", type=int, help="both dynamic scalers")
+    flags.add("timing_batch_sizes", type=int, nargs="+", help="rows of the fixed timing "
+              "batch(es) of --max-length tokens (none: --batch-size); a larger one shows the "
+              "GPU-bound regime")  # fmt: skip
+    flags.add("timing_reps", type=int, help="timed steps per setup (0: no timing)")
+    args = p.parse_args()
+    cfg = flags.resolve(args)
+    return cfg, start_run(args, task="task1_lm_precision", logs="lm_precision.jsonl")
+
+
+def load_lines(cfg: LMPrecisionConfig, seed: int) -> tuple[list[str], str]:
     """Text samples: a seeded subset of --data's lines, or the generated corpus."""
-    if args.data is None:
+    n_samples = cfg.n_samples
+    if cfg.data is None:
         # Non-empty lines are ~65% of the generated lines; ask for enough to get n_samples.
-        cfg = SyntheticCorpusConfig(n_lines=int(n_samples / 0.6) + 100, seed=args.seed,
-                                    vocab_size=20_000 if quick else 200_000)  # fmt: skip
-        return synthetic_corpus(cfg)[:n_samples], f"synthetic(n={n_samples}, seed={args.seed})"
-    require_path(args.data, "WikiText-103 files or a parquet with a 'text' column", "--data")
+        synthetic = SyntheticCorpusConfig(n_lines=int(n_samples / 0.6) + 100, seed=seed,
+                                          vocab_size=cfg.synthetic_vocab)  # fmt: skip
+        return synthetic_corpus(synthetic)[:n_samples], f"synthetic(n={n_samples}, seed={seed})"
+    require_path(cfg.data, "WikiText-103 files or a parquet with a 'text' column", "--data")
     try:
-        lines = read_wikitext(args.data)
+        lines = read_wikitext(cfg.data)
     except CorpusFormatError as e:
         raise UsageError(f"--data: {e}") from None
     if len(lines) > n_samples:
-        pick = np.random.default_rng(args.seed).choice(len(lines), n_samples, replace=False)
+        pick = np.random.default_rng(seed).choice(len(lines), n_samples, replace=False)
         lines = [lines[i] for i in np.sort(pick)]
-    return lines, f"{args.data} ({len(lines)} lines)"
+    return lines, f"{cfg.data} ({len(lines)} lines)"
 
 
 def split_corpus(corpus: TokenizedCorpus, n_heldout: int, seed: int):
@@ -176,7 +261,9 @@ def split_corpus(corpus: TokenizedCorpus, n_heldout: int, seed: int):
     return take(order[n_heldout:]), take(order[:n_heldout])
 
 
-def batches_of(corpus, n: int, cfg: Config, pad_id: int, seed: int, device) -> list[Batch]:
+def batches_of(
+    corpus, n: int, cfg: LMPrecisionConfig, pad_id: int, seed: int, device
+) -> list[Batch]:
     """The first ``n`` batches of the pipeline (epoch after epoch), moved to the device once."""
     loader = make_loader(cfg.pipeline, corpus, cfg.batch_size, k=cfg.k,
                          max_length=cfg.max_length, pad_id=pad_id, seed=seed)  # fmt: skip
@@ -189,14 +276,39 @@ def batches_of(corpus, n: int, cfg: Config, pad_id: int, seed: int, device) -> l
     return out
 
 
-def build(setup: str, seed: int, cfg: Config, device: torch.device):
+def prepare_data(cfg: LMPrecisionConfig, run: Run) -> LMData:
+    """Tokenize, split and batch the corpus; too few samples for the held-out set and one batch,
+    or a timing batch larger than the training set, is a usage error."""
+    lines, source = load_lines(cfg, run.seed)
+    corpus, vocab = fit_basic_english(lines, max_size=cfg.max_vocab)
+    # A sample needs two tokens to have a target; a bucket of one-token samples would have none.
+    corpus = corpus.truncate(cfg.max_length, min_length=2)
+    n_heldout = cfg.eval_batches * cfg.batch_size
+    if len(corpus) < n_heldout + cfg.batch_size:
+        raise UsageError(f"--data/--n-samples: {len(corpus)} usable samples, need more than "
+                         f"{n_heldout + cfg.batch_size} (held-out set plus one batch)")  # fmt: skip
+    train_corpus, heldout_corpus = split_corpus(corpus, n_heldout, run.seed)
+    if max(cfg.timing_batch_sizes, default=1) > len(train_corpus):
+        raise UsageError(f"--timing-batch-sizes: each must be in 1..{len(train_corpus)} "
+                         f"(training samples); got {cfg.timing_batch_sizes}")  # fmt: skip
+    return LMData(
+        train_corpus=train_corpus,
+        train=batches_of(train_corpus, cfg.steps, cfg, vocab.pad_id, run.seed, run.device),
+        heldout=batches_of(heldout_corpus, cfg.eval_batches, cfg, vocab.pad_id, run.seed,
+                           run.device),
+        vocab=vocab,
+        source=source,
+    )  # fmt: skip
+
+
+def build(setup: str, seed: int, cfg: LMPrecisionConfig, vocab_size: int, device: torch.device):
     seed_everything(seed)
-    model = GPTLikeModel(cfg.model_config()).to(device)
+    model = GPTLikeModel(cfg.model_config(vocab_size)).to(device)
     if setup in PURE_LOW:
         model.to(LOW_DTYPES[cfg.amp_dtype])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     prec = build_precision(SETUPS[setup], device, LOW_DTYPES[cfg.amp_dtype],
-                           static_scale=cfg.static_scale, init_scale=2.0**16,
+                           static_scale=cfg.static_scale,
                            growth_interval=cfg.growth_interval)  # fmt: skip
     return model, optimizer, prec
 
@@ -206,15 +318,23 @@ def grad_step(model, batch: Batch, prec: Precision, loss_fn) -> tuple[torch.Tens
     with prec.autocast():
         logits = model(batch.input_ids, batch.padding_mask)
         loss = loss_fn(logits, batch.input_ids, batch.padding_mask)
-    prec.scaler.scale(loss).backward()
+    prec.backward(loss)
     return logits, loss
 
 
-def train_step(model, batch: Batch, optimizer, prec: Precision, loss_fn):
+def train_step(
+    model,
+    batch: Batch,
+    optimizer,
+    prec: Precision,
+    loss_fn,
+    grad_region: AbstractContextManager | None = None,
+):
+    """One training step; ``grad_region`` (e.g. a timer's region) wraps its gradient computation."""
     optimizer.zero_grad(set_to_none=True)
-    logits, loss = grad_step(model, batch, prec, loss_fn)
-    prec.scaler.step(optimizer)
-    prec.scaler.update()
+    with grad_region or contextlib.nullcontext():
+        logits, loss = grad_step(model, batch, prec, loss_fn)
+    prec.step(optimizer)
     return logits, loss
 
 
@@ -237,16 +357,17 @@ def evaluate(model, batches: list[Batch], prec: Precision) -> tuple[float, float
     return loss.item(), acc.item()
 
 
-def train_run(setup, seed, role, cfg, device, train, heldout, log, run_id) -> dict:
+def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run,
+              data: LMData) -> dict:  # fmt: skip
     """Train one setup; log every step and a final record; return the summary and the curve."""
-    model, optimizer, prec = build(setup, seed, cfg, device)
+    model, optimizer, prec = build(setup, seed, cfg, len(data.vocab), run.device)
     loss_fn, acc_fn = LMCrossEntropyLoss(), LMAccuracy()
     losses, accs, scales, skipped = [], [], [], []
     diverged_at = None
     for step in tqdm(range(cfg.steps), desc=f"{setup} s{seed}", leave=False):
         for g in optimizer.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        batch = train[step]
+        batch = data.train[step]
         logits, loss = train_step(model, batch, optimizer, prec, loss_fn)
         losses.append(loss.detach().float())
         accs.append(acc_fn(logits.detach(), batch.input_ids, batch.padding_mask).float())
@@ -260,13 +381,13 @@ def train_run(setup, seed, role, cfg, device, train, heldout, log, run_id) -> di
                 diverged_at = len(losses) - len(window) + bad
                 break
     losses_h, accs_h = torch.stack(losses).tolist(), torch.stack(accs).tolist()
-    config = {"kind": "step", "run_id": run_id, "setup": setup, "seed": seed, "role": role,
-              **asdict(cfg)}  # fmt: skip
+    config = {"kind": "step", "run_id": run.run_id, "setup": setup, "seed": seed, "role": role,
+              **cfg.recorded(data, run.device)}  # fmt: skip
     for i, (lo, ac, sc, sk) in enumerate(zip(losses_h, accs_h, scales, skipped, strict=True)):
-        log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
+        run.log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
                                 "skipped": sk})  # fmt: skip
     if diverged_at is None:
-        val_loss, val_acc = evaluate(model, heldout, prec)
+        val_loss, val_acc = evaluate(model, data.heldout, prec)
     else:
         val_loss = val_acc = float("nan")
     diverged = diverged_at is not None or not math.isfinite(val_loss)
@@ -319,128 +440,81 @@ def log_finals(runs: list[dict], log: RunLog) -> None:
         log.log(r["setup"], {**r["config"], "kind": "final"}, metrics)
 
 
-def time_setups(setups, cfg, device, batch: Batch, reps: int, log, run_id) -> list[dict]:
-    """Median time of one gradient computation and of one training step per setup.
+def train_all(cfg: LMPrecisionConfig, run: Run, data: LMData) -> list[dict]:
+    """Every setup with the main seed, and the reference with --noise-seeds other seeds."""
+    jobs = [(s, run.seed, "main") for s in cfg.setups]
+    if REFERENCE in cfg.setups:
+        jobs += [(REFERENCE, run.seed + i, "noise") for i in range(1, cfg.noise_seeds + 1)]
+    return [train_run(s, seed, role, cfg, run, data)
+            for s, seed, role in tqdm(jobs, desc="runs", unit="run")]  # fmt: skip
 
-    Fresh models (same seed) on one fixed batch; after a warm-up, setups are interleaved in
-    rounds so clock or thermal drift hits all alike. Each rep is one CUDA-event region.
-    """
-    warmup, rounds = (2, 2) if reps < 10 else (10, 5)
-    per_round = max(1, reps // rounds)
-    loss_fn = LMCrossEntropyLoss()
-    built = {s: build(s, 0, cfg, device) for s in setups}
-    for model, opt, prec in built.values():
-        for _ in range(warmup):
-            train_step(model, batch, opt, prec, loss_fn)
-    times = {s: {"grad": [], "step": []} for s in setups}
-    for _ in tqdm(range(rounds), desc="timing", leave=False):
-        for s, (model, opt, prec) in built.items():
-            grad_timer, step_timer = RegionTimer(device), RegionTimer(device)
-            for _ in range(per_round):
-                opt.zero_grad(set_to_none=True)
-                with grad_timer.region():
-                    grad_step(model, batch, prec, loss_fn)
-            for _ in range(per_round):
-                with step_timer.region():
-                    train_step(model, batch, opt, prec, loss_fn)
-            times[s]["grad"] += grad_timer.times()
-            times[s]["step"] += step_timer.times()
-    stats = {s: {q: TimingStats.from_times(t) for q, t in v.items()} for s, v in times.items()}
-    ref = stats.get(REFERENCE)
+
+def time_setups(cfg: LMPrecisionConfig, run: Run, data: LMData, batch: Batch) -> list[dict]:
+    """Time of one training step and of its gradient computation, per setup, on one fixed
+    batch: ``--timing-reps`` steps of fresh models (same seed), one per round of the harness."""
+    reps = cfg.timing_reps
+    warmup = 2 if reps < 10 else 10
+    harness = HarnessConfig(rounds=reps, min_steps=reps, max_steps=reps, min_time=0.0,
+                            warmup_steps=warmup, warmup_time=0.0, memory_steps=1)  # fmt: skip
+
+    def variant(setup: str) -> Variant:
+        def build_step():
+            model, opt, prec = build(setup, 0, cfg, len(data.vocab), run.device)
+            loss_fn = LMCrossEntropyLoss()
+
+            def step(n: int, regions: Regions | None) -> None:
+                for _ in range(n):
+                    grad = regions["grad"].region() if regions is not None else None
+                    train_step(model, batch, opt, prec, loss_fn, grad)
+                opt.zero_grad(set_to_none=True)  # an idle setup holds no gradients
+
+            return step
+
+        return Variant(setup, build_step)
+
+    results = time_variants([variant(s) for s in cfg.setups], harness, run.device)
+    medians = {s: {"grad": statistics.median(r.regions["grad"]), "step": statistics.median(r.step)}
+               for s, r in results.items() if not r.oom}  # fmt: skip
+    ref = medians.get(REFERENCE, {"grad": math.nan, "step": math.nan})
     rows = []
-    for s, st in stats.items():
-        ratio = {q: st[q].median / ref[q].median if ref else math.nan for q in ("grad", "step")}
-        config = {"kind": "timing", "run_id": run_id, "setup": s, "warmup": warmup,
-                  "batch_shape": list(batch.input_ids.shape), **asdict(cfg)}  # fmt: skip
-        log.log(s, config, {**st["grad"].as_dict("grad_s_"), **st["step"].as_dict("step_s_"),
-                            "grad_ratio_to_reference": ratio["grad"],
-                            "step_ratio_to_reference": ratio["step"]})  # fmt: skip
-        rows.append({"setup": s, "grad_median_ms": st["grad"].median * 1e3,
-                     "step_median_ms": st["step"].median * 1e3, "n": st["grad"].n,
+    for s, result in results.items():
+        config = {"kind": "timing", "run_id": run.run_id, "setup": s, "warmup": warmup,
+                  "batch_shape": list(batch.input_ids.shape),
+                  **cfg.recorded(data, run.device)}  # fmt: skip
+        if result.oom:
+            run.log.log(s, config, {"oom": True})
+            rows.append({"setup": s, "oom": True})
+            continue
+        grad, step = (TimingStats.from_times(t) for t in (result.regions["grad"], result.step))
+        ratio = {q: medians[s][q] / ref[q] for q in ("grad", "step")}
+        run.log.log(s, config, {**grad.as_dict("grad_s_"), **step.as_dict("step_s_"),
+                                "grad_ratio_to_reference": ratio["grad"],
+                                "step_ratio_to_reference": ratio["step"]})  # fmt: skip
+        rows.append({"setup": s, "grad_median_ms": grad.median * 1e3,
+                     "step_median_ms": step.median * 1e3, "n": step.n,
                      "grad_vs_ref": ratio["grad"], "step_vs_ref": ratio["step"]})  # fmt: skip
     return rows
 
 
-def main() -> None:
-    args = parse_args()
-    quick = args.quick
-    device = device_from_arg("cpu" if quick and args.device == "auto" else args.device)
-    unknown = sorted(set(args.setups) - set(SETUPS))
-    if unknown:
-        raise UsageError(f"--setups: unknown {unknown}; expected some of {list(SETUPS)}")
-    pick = lambda value, full, small: value if value is not None else (small if quick else full)  # noqa: E731
-    n_samples = pick(args.n_samples, 30_000, 2_500)
-    eval_batches = pick(args.eval_batches, 20, 4)
-    noise_seeds = pick(args.noise_seeds, 2, 1)
-    reps = pick(args.timing_reps, 100, 4)
-    d_model = pick(args.d_model, 1024, 64)
-    sizes = {"--steps": pick(args.steps, 500, 30), "--batch-size": pick(args.batch_size, 32, 8),
-             "--max-length": pick(args.max_length, 256, 64), "--n-samples": n_samples,
-             "--max-vocab": pick(args.max_vocab, 32768, 2048), "--eval-batches": eval_batches,
-             "--d-model": d_model, "--n-layers": pick(args.n_layers, 4, 2)}  # fmt: skip
-    bad = [flag for flag, v in sizes.items() if v < 2]
-    timing_rows = args.timing_batch_sizes or []
-    if bad or d_model % 8 or min(noise_seeds, reps, args.k) < 0:
-        raise UsageError(f"{bad or '--d-model'}: sizes must be >= 2, --d-model a multiple of 8, "
-                         "--noise-seeds/--timing-reps/--k non-negative")  # fmt: skip
-    if args.static_scale <= 0 or args.growth_interval < 1:
-        raise UsageError("--static-scale must be > 0 and --growth-interval >= 1")
-
-    t0 = time.perf_counter()
-    lines, source = load_lines(args, n_samples, quick)
-    corpus, vocab = fit_basic_english(lines, max_size=sizes["--max-vocab"])
-    # A sample needs two tokens to have a target; a bucket of one-token samples would have none.
-    corpus = corpus.truncate(sizes["--max-length"], min_length=2)
-    n_heldout = eval_batches * sizes["--batch-size"]
-    if len(corpus) < n_heldout + sizes["--batch-size"]:
-        raise UsageError(f"--data/--n-samples: {len(corpus)} usable samples, need more than "
-                         f"{n_heldout + sizes['--batch-size']} (held-out set plus one batch)")  # fmt: skip
-    cfg = Config(
-        d_model=d_model, n_layers=sizes["--n-layers"], n_heads=8 if d_model >= 256 else 4,
-        d_ff=2 * d_model, vocab_size=len(vocab), max_length=sizes["--max-length"],
-        batch_size=sizes["--batch-size"], pipeline=args.pipeline, k=args.k,
-        steps=sizes["--steps"], lr=args.lr, warmup_steps=pick(args.warmup_steps, 50, 5),
-        amp_dtype=args.amp_dtype, static_scale=args.static_scale,
-        growth_interval=args.growth_interval, device=str(device), corpus=source,
-    )  # fmt: skip
-    train_corpus, heldout_corpus = split_corpus(corpus, n_heldout, args.seed)
-    if timing_rows and not 1 <= min(timing_rows) <= max(timing_rows) <= len(train_corpus):
-        raise UsageError(f"--timing-batch-sizes: each must be in 1..{len(train_corpus)} "
-                         f"(training samples); got {timing_rows}")  # fmt: skip
-    train = batches_of(train_corpus, cfg.steps, cfg, vocab.pad_id, args.seed, device)
-    heldout = batches_of(heldout_corpus, eval_batches, cfg, vocab.pad_id, args.seed, device)
-    log = RunLog(args.out / "lm_precision.jsonl", task="task1_lm_precision")
-    where = log.env["gpu"] or f"CPU ({log.env['cpu']})"
-    run_id = time.strftime("%Y%m%dT%H%M%S")
-    print(f"data: {source}: {len(train_corpus):,} train / {len(heldout_corpus):,} held-out "
-          f"samples, vocab {len(vocab):,}, {time.perf_counter() - t0:.1f} s; device: {where}; "
-          f"low precision: {cfg.amp_dtype}")  # fmt: skip
-
-    jobs = [(s, args.seed, "main") for s in args.setups]
-    if REFERENCE in args.setups:
-        jobs += [(REFERENCE, args.seed + i, "noise") for i in range(1, noise_seeds + 1)]
-    runs = [train_run(s, seed, role, cfg, device, train, heldout, log, run_id)
-            for s, seed, role in tqdm(jobs, desc="runs", unit="run")]  # fmt: skip
-    log_finals(runs, log)
-
-    for rows in args.timing_batch_sizes or ([cfg.batch_size] if reps > 0 else []):
-        fixed = pad_batch([train_corpus[i] for i in range(rows)], vocab.pad_id,
-                          pad_to=cfg.max_length).to(device)  # fmt: skip
-        timing = time_setups(args.setups, cfg, device, fixed, reps, log, run_id)
+def time_all(cfg: LMPrecisionConfig, run: Run, data: LMData) -> None:
+    """Time the setups on each fixed timing batch and print the table and the targets."""
+    for rows in cfg.timing_batch_sizes or [cfg.batch_size]:
+        fixed = pad_batch([data.train_corpus[i] for i in range(rows)], data.vocab.pad_id,
+                          pad_to=cfg.max_length).to(run.device)  # fmt: skip
+        timing = time_setups(cfg, run, data, fixed)
         print_table(timing, title=f"One gradient computation (fwd+bwd) and one training step, "
-                    f"fixed {rows}x{cfg.max_length} batch, median, on {where}")  # fmt: skip
-        by = {t["setup"]: t for t in timing}
+                    f"fixed {rows}x{cfg.max_length} batch, median, on {run.where}")  # fmt: skip
+        by = {t["setup"]: t for t in timing if not t.get("oom")}
         if REFERENCE in by and "own_autocast_torch_scaler" in by:
-            print(
-                f"own Autocast / torch.autocast: grad {by['own_autocast_torch_scaler']['grad_vs_ref']:.3f}, "
-                f"step {by['own_autocast_torch_scaler']['step_vs_ref']:.3f} (target <= 1.05)"
-            )
+            own = by["own_autocast_torch_scaler"]
+            print(f"own Autocast / torch.autocast: grad {own['grad_vs_ref']:.3f}, "
+                  f"step {own['step_vs_ref']:.3f} (target <= 1.05)")  # fmt: skip
         if REFERENCE in by and "amp_dynamic" in by:
-            print(
-                f"own DynamicGradScaler / torch GradScaler (both torch.autocast): step "
-                f"{by['amp_dynamic']['step_vs_ref']:.3f} (target <= 1.03)"
-            )
+            print(f"own DynamicGradScaler / torch GradScaler (both torch.autocast): step "
+                  f"{by['amp_dynamic']['step_vs_ref']:.3f} (target <= 1.03)")  # fmt: skip
 
+
+def print_runs(runs: list[dict], cfg: LMPrecisionConfig, run: Run) -> None:
     print_table(
         [{"setup": r["setup"], "seed": r["seed"], "role": r["role"],
           "heldout_loss": r["heldout_loss"], "heldout_acc": r["heldout_accuracy"],
@@ -448,9 +522,24 @@ def main() -> None:
           "skipped": r["skipped_steps"], "final_scale": r["final_scale"],
           "curve_gap_ref": r.get("curve_gap_to_reference"),
           "within_noise": r.get("within_noise")} for r in runs],
-        title=f"Training, {cfg.steps} steps per run, on {where} (log: {log.path}); "
+        title=f"Training, {cfg.steps} steps per run, on {run.where} (log: {run.log.path}); "
         f"noise = reference rerun with other seeds",
     )  # fmt: skip
+
+
+def main() -> None:
+    cfg, run = parse_config()
+    t0 = time.perf_counter()
+    data = prepare_data(cfg, run)
+    print(f"data: {data.source}: {len(data.train_corpus):,} train / "
+          f"{cfg.eval_batches * cfg.batch_size:,} held-out samples, vocab {len(data.vocab):,}, "
+          f"{time.perf_counter() - t0:.1f} s; device: {run.where}; "
+          f"low precision: {cfg.amp_dtype}")  # fmt: skip
+    runs = train_all(cfg, run, data)
+    log_finals(runs, run.log)
+    if cfg.timing_reps > 0:
+        time_all(cfg, run, data)
+    print_runs(runs, cfg, run)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ AMP + StaticGradScaler; AMP + DynamicGradScaler; own Autocast + DynamicGradScale
 pipeline otherwise: 256x256, batch 128, Adam lr 1e-4, 5 epochs, BCEWithLogitsLoss, pixel accuracy
 ``((logits > 0.5) == mask).mean()``. Logged per step: loss, accuracy, scale, skipped step,
 fraction of exactly-zero gradient elements, step time. A separate timing phase times the
-training step alone (fixed batch, warm-up, median, modes interleaved) in the same process.
+training step alone on one fixed batch with the benchmark harness (modes alive side by side,
+interleaved one step per round after a warm-up), in the same process.
 
 Deviation from the course (documented on purpose): images are decoded and resized once, cached
 as uint8 tensors and kept on the device, instead of a 4-worker DataLoader decoding JPEGs every
@@ -19,9 +20,10 @@ held out for a validation accuracy.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,15 +31,19 @@ from torch import nn
 from tqdm import tqdm
 
 from effdl.amp.grads import grads_of, zero_fraction
-from effdl.amp.precision import Precision, PrecisionSpec, build_precision
+from effdl.amp.precision import LOW_DTYPES, Precision, PrecisionSpec, build_precision
 from effdl.cli import (
+    ConfigFlags,
+    Run,
     UsageError,
     base_parser,
-    device_from_arg,
     print_table,
+    require_choices,
     require_path,
+    require_positive,
     run_main,
     seed_everything,
+    start_run,
 )
 from effdl.data.images import (
     CarvanaLayoutError,
@@ -47,8 +53,8 @@ from effdl.data.images import (
     load_carvana_tensors,
 )
 from effdl.models.unet import UNet
+from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_variants
 from effdl.profiling.timing import RegionTimer, TimingStats
-from effdl.results import RunLog
 
 MODES = {
     "fp32": PrecisionSpec("none", "none"),
@@ -58,65 +64,108 @@ MODES = {
     "amp_dynamic": PrecisionSpec("torch", "dynamic"),
     "own_autocast_dynamic": PrecisionSpec("own", "dynamic"),
 }
-LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def parse_args():
-    p = base_parser(__doc__.splitlines()[0], default_out="runs/task1")
-    p.add_argument("--data", type=Path, default=None, help="Carvana root (train/, train_masks/)")
-    p.add_argument("--cache", type=Path, default=Path("runs/cache/task1"), help="data caches")
-    p.add_argument("--n-images", type=int, default=None, help="synthetic set size (5088; quick 40)")
-    p.add_argument("--size", type=int, default=None, help="image side (256; quick 64)")
-    p.add_argument("--batch-size", type=int, default=None, help="128; quick 8")
-    p.add_argument("--epochs", type=int, default=None, help="5; quick 1")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--modes", nargs="+", default=list(MODES), help=f"subset of {list(MODES)}")
-    p.add_argument("--seeds", type=int, default=3, help="seeds for --multi-seed-modes (quick: 1)")
-    p.add_argument("--multi-seed-modes", nargs="+", default=["amp_static", "amp_dynamic"])
-    p.add_argument("--amp-dtype", choices=list(LOW_DTYPES), default=None,
-                   help="fp16 on CUDA, bf16 on CPU by default")  # fmt: skip
-    p.add_argument("--static-scale", type=float, default=2.0**16)
-    p.add_argument("--growth-interval", type=int, default=50,
-                   help="both dynamic scalers (torch's default 2000 would never grow in ~190 steps)")  # fmt: skip
-    p.add_argument(
-        "--timing-steps", type=int, default=None, help="timed steps per mode (60; quick 4)"
-    )
-    p.add_argument("--timing-only", action="store_true", help="skip training, only time steps")
-    p.add_argument("--workers", type=int, default=None, help="processes for data generation")
-    return p.parse_args()
+REFERENCE = "amp_torch_scaler"
+LOGS = ("unet_steps.jsonl", "unet_epochs.jsonl", "unet_runs.jsonl", "unet_timing.jsonl")
+# The settings every record's config carries (with the device and the run's identity).
+RECORDED = ("size", "batch_size", "epochs", "lr", "amp_dtype", "static_scale", "growth_interval")
 
 
 @dataclass
-class Config:
-    size: int
-    batch_size: int
-    epochs: int
-    lr: float
-    amp_dtype: str
-    static_scale: float
-    growth_interval: int
-    device: str
+class UNetConfig:
+    """Settings of one run; the defaults are the course's GPU experiment."""
+
+    data: Path | None = None  # Carvana root; None: a generated synthetic set
+    cache: Path = Path("runs/cache/task1")
+    n_images: int = 5088
+    size: int = 256
+    batch_size: int = 128
+    epochs: int = 5
+    lr: float = 1e-4
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    seeds: int = 3
+    multi_seed_modes: list[str] = field(default_factory=lambda: ["amp_static", "amp_dynamic"])
+    amp_dtype: str = "auto"  # fp16 on CUDA, bf16 on the CPU
+    static_scale: float = 2.0**16
+    growth_interval: int = 50  # torch's default 2000 would never grow in ~190 steps
+    timing_steps: int = 60
+    timing_only: bool = False
+    workers: int | None = None
+
+    def validate(self) -> None:
+        require_positive(self, "n_images", "size", "batch_size", "epochs", "seeds")
+        require_positive(self, "growth_interval")
+        require_positive(self, "lr", "timing_steps", minimum=0)
+        require_choices(self, "modes", MODES)
+        require_choices(self, "multi_seed_modes", MODES)
+        require_choices(self, "amp_dtype", ["auto", *LOW_DTYPES])
+        if self.size % 8:
+            raise UsageError(
+                f"--size must be a multiple of 8 (the UNet pools 3 times), got {self.size}"
+            )
+        if not self.static_scale > 0:
+            raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
+        if self.workers is not None:
+            require_positive(self, "workers")
+
+    def recorded(self, device: torch.device) -> dict:
+        """The settings a log record's config carries."""
+        return {**{name: getattr(self, name) for name in RECORDED}, "device": str(device)}
 
 
-def prepare_data(args, quick: bool) -> tuple[SegmentationTensors, str]:
+FULL = UNetConfig()
+QUICK = UNetConfig(n_images=40, size=64, batch_size=8, epochs=1, seeds=1, timing_steps=4)
+
+
+def parse_config() -> tuple[UNetConfig, Run]:
+    """The config from the flags (validated) and the run's preamble."""
+    p = base_parser(__doc__.splitlines()[0], default_out="runs/task1")
+    flags = ConfigFlags(p, FULL, QUICK)
+    flags.add("data", type=Path, help="Carvana root (train/, train_masks/); none: synthetic")
+    flags.add("cache", type=Path, help="data caches")
+    flags.add("n_images", type=int, help="synthetic set size")
+    flags.add("size", type=int, help="image side, a multiple of 8")
+    flags.add("batch_size", type=int)
+    flags.add("epochs", type=int)
+    flags.add("lr", type=float)
+    flags.add("modes", nargs="+", help="a subset of the six modes")
+    flags.add("seeds", type=int, help="seeds for --multi-seed-modes")
+    flags.add("multi_seed_modes", nargs="+")
+    flags.add("amp_dtype", help="fp16 | bf16 | auto: fp16 on CUDA, bf16 on the CPU")
+    flags.add("static_scale", type=float)
+    flags.add("growth_interval", type=int, help="both dynamic scalers")
+    flags.add("timing_steps", type=int, help="timed steps per mode (0: no timing)")
+    flags.add("timing_only", action="store_true", help="skip training, only time steps")
+    flags.add("workers", type=int, help="processes for data generation (none: up to 16 CPUs)")
+    args = p.parse_args()
+    cfg = flags.resolve(args)
+    run = start_run(args, task="task1_unet", logs=LOGS)
+    return with_device_defaults(cfg, run.device), run
+
+
+def with_device_defaults(cfg: UNetConfig, device: torch.device) -> UNetConfig:
+    """``amp_dtype`` auto: fp16 on CUDA (the course's setting), bf16 on the CPU (no fp16 GEMMs)."""
+    if cfg.amp_dtype != "auto":
+        return cfg
+    return dataclasses.replace(cfg, amp_dtype="fp16" if device.type == "cuda" else "bf16")
+
+
+def prepare_data(cfg: UNetConfig) -> tuple[SegmentationTensors, str]:
     """Decoded tensors (cached under --cache) from --data or from a generated synthetic set."""
-    size = args.size or (64 if quick else 256)
-    tensors_cache = args.cache / "tensors"
-    if args.data is not None:
-        require_path(args.data, "a Carvana folder with train/ and train_masks/", "--data")
-        root, source = args.data, f"carvana:{args.data}"
+    if cfg.data is not None:
+        require_path(cfg.data, "a Carvana folder with train/ and train_masks/", "--data")
+        root, source = cfg.data, f"carvana:{cfg.data}"
     else:
-        n = args.n_images or (40 if quick else 5088)
-        cfg = SyntheticCarvanaConfig(n_images=n, seed=0)
-        root = args.cache / f"synthetic_carvana_{n}_seed{cfg.seed}"
+        synthetic = SyntheticCarvanaConfig(n_images=cfg.n_images, seed=0)
+        root = cfg.cache / f"synthetic_carvana_{cfg.n_images}_seed{synthetic.seed}"
         t0 = time.perf_counter()
-        generate_synthetic_carvana(root, cfg, workers=args.workers)
-        print(
-            f"synthetic Carvana-like set: {n} images in {root} ({time.perf_counter() - t0:.1f} s)"
-        )
-        source = f"synthetic:{n}"
+        generate_synthetic_carvana(root, synthetic, workers=cfg.workers)
+        print(f"synthetic Carvana-like set: {cfg.n_images} images in {root} "
+              f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+        source = f"synthetic:{cfg.n_images}"
     try:
-        data = load_carvana_tensors(root, size, cache_dir=tensors_cache, workers=args.workers)
+        data = load_carvana_tensors(
+            root, cfg.size, cache_dir=cfg.cache / "tensors", workers=cfg.workers
+        )
     except CarvanaLayoutError as e:
         raise UsageError(f"--data: {e}") from None
     return data, source
@@ -145,9 +194,8 @@ def train_step(model, x, y, optimizer, prec: Precision, loss_fn):
     with prec.autocast():
         logits = model(x)
         loss = loss_fn(logits, y)
-    prec.scaler.scale(loss).backward()
-    prec.scaler.step(optimizer)
-    prec.scaler.update()
+    prec.backward(loss)
+    prec.step(optimizer)
     return logits, loss
 
 
@@ -172,7 +220,7 @@ def evaluate(
     ).item()
 
 
-def build(mode: str, seed: int, cfg: Config, device: torch.device):
+def build(mode: str, seed: int, cfg: UNetConfig, device: torch.device):
     seed_everything(seed)
     model = UNet().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -181,19 +229,19 @@ def build(mode: str, seed: int, cfg: Config, device: torch.device):
         device,
         LOW_DTYPES[cfg.amp_dtype],
         static_scale=cfg.static_scale,
-        init_scale=2.0**16,
         growth_interval=cfg.growth_interval,
     )
     return model, optimizer, prec
 
 
-def train_run(mode, seed, cfg, device, train, val, logs, run_id) -> dict:
+def train_run(mode: str, seed: int, cfg: UNetConfig, run: Run, train, val) -> dict:
     """One training run; logs every step and every epoch, returns the run's summary row."""
+    device = run.device
     model, optimizer, prec = build(mode, seed, cfg, device)
     loss_fn = nn.BCEWithLogitsLoss()
     images, masks = train
     n_batches = len(images) // cfg.batch_size  # drop_last: one batch shape for cuDNN
-    config = {"run_id": run_id, "mode": mode, "seed": seed, **cfg.__dict__}
+    config = {"run_id": run.run_id, "mode": mode, "seed": seed, **cfg.recorded(device)}
     gen = torch.Generator(device="cpu").manual_seed(seed)
     step, step_times, last_epoch_acc, val_acc, val_loss = 0, [], [], float("nan"), float("nan")
     for epoch in range(cfg.epochs):
@@ -214,7 +262,7 @@ def train_run(mode, seed, cfg, device, train, val, logs, run_id) -> dict:
         losses_h, accs_h, zeros_h = (torch.stack(v).tolist() for v in (losses, accs, zeros))
         times = timer.times()
         for i in range(n_batches):
-            logs["steps"].log(
+            run.logs["unet_steps"].log(
                 mode,
                 config,
                 {
@@ -227,7 +275,7 @@ def train_run(mode, seed, cfg, device, train, val, logs, run_id) -> dict:
         step_times += times
         last_epoch_acc = accs_h
         val_loss, val_acc = evaluate(model, *val, prec, cfg.batch_size, loss_fn)
-        logs["epochs"].log(
+        run.logs["unet_epochs"].log(
             mode,
             config,
             {"epoch": epoch, "train_loss": statistics.fmean(losses_h),
@@ -245,104 +293,105 @@ def train_run(mode, seed, cfg, device, train, val, logs, run_id) -> dict:
         "steps": step,
         **TimingStats.from_times(warm).as_dict("step_s_"),
     }
-    logs["runs"].log(mode, config, summary)
+    run.logs["unet_runs"].log(mode, config, summary)
     return {"mode": mode, "seed": seed, **summary}
 
 
-def time_steps(modes, cfg, device, train, steps: int, logs, run_id) -> list[dict]:
-    """Median time of the training step alone, per mode, on one fixed batch.
-
-    Modes are interleaved in rounds after a warm-up, so clock or thermal drift hits all alike.
-    """
-    warmup, rounds = (2, 2) if steps < 10 else (10, 5)
-    per_round = max(1, steps // rounds)
-    images, masks = train
-    x, y = batch(images, masks, torch.arange(cfg.batch_size, device=device) % len(images))
-    loss_fn = nn.BCEWithLogitsLoss()
-    built = {m: build(m, 0, cfg, device) for m in modes}
-    for model, opt, prec in built.values():
-        for _ in range(warmup):
-            train_step(model, x, y, opt, prec, loss_fn)
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in tqdm(range(rounds), desc="timing", leave=False):
-        for m, (model, opt, prec) in built.items():
-            timer = RegionTimer(device)
-            for _ in range(per_round):
-                with timer.region():
-                    train_step(model, x, y, opt, prec, loss_fn)
-            times[m] += timer.times()
-    stats = {m: TimingStats.from_times(t) for m, t in times.items()}
-    ref = stats.get("amp_torch_scaler")
+def train_all(cfg: UNetConfig, run: Run, train, val) -> list[dict]:
+    """Every mode once, the --multi-seed-modes with --seeds seeds; one summary row per run."""
     rows = []
-    for m, s in stats.items():
-        ratio = s.median / ref.median if ref else float("nan")
-        config = {"run_id": run_id, "mode": m, "warmup": warmup, **cfg.__dict__}
-        logs["timing"].log(m, config, {**s.as_dict("step_s_"), "ratio_to_torch_scaler": ratio})
-        rows.append({"mode": m, "median_ms": s.median * 1e3, "min_ms": s.min * 1e3,
+    for mode in cfg.modes:
+        n = cfg.seeds if mode in cfg.multi_seed_modes else 1
+        for seed in range(run.seed, run.seed + n):
+            rows.append(train_run(mode, seed, cfg, run, train, val))
+    return rows
+
+
+def time_steps(cfg: UNetConfig, run: Run, train) -> list[dict]:
+    """Time of the training step alone, per mode, on one fixed batch: ``--timing-steps`` steps,
+    one per round of the harness (modes alive side by side, the start rotating each round)."""
+    steps = cfg.timing_steps
+    warmup = 2 if steps < 10 else 10
+    harness = HarnessConfig(rounds=steps, min_steps=steps, max_steps=steps, min_time=0.0,
+                            warmup_steps=warmup, warmup_time=0.0, memory_steps=1)  # fmt: skip
+    images, masks = train
+    x, y = batch(images, masks, torch.arange(cfg.batch_size, device=run.device) % len(images))
+
+    def variant(mode: str) -> Variant:
+        def build_step():
+            model, opt, prec = build(mode, 0, cfg, run.device)
+            loss_fn = nn.BCEWithLogitsLoss()
+
+            def step(n: int, regions: Regions | None) -> None:
+                for _ in range(n):
+                    train_step(model, x, y, opt, prec, loss_fn)
+                    opt.zero_grad(set_to_none=True)  # an idle mode holds no gradients
+
+            return step
+
+        return Variant(mode, build_step)
+
+    results = time_variants([variant(m) for m in cfg.modes], harness, run.device)
+    ref = results.get(REFERENCE)
+    ref_median = statistics.median(ref.step) if ref and not ref.oom else float("nan")
+    rows = []
+    for mode, result in results.items():
+        config = {"run_id": run.run_id, "mode": mode, "warmup": warmup, **cfg.recorded(run.device)}
+        if result.oom:
+            run.logs["unet_timing"].log(mode, config, {"oom": True})
+            rows.append({"mode": mode, "oom": True})
+            continue
+        s = TimingStats.from_times(result.step)
+        ratio = s.median / ref_median
+        run.logs["unet_timing"].log(
+            mode, config, {**s.as_dict("step_s_"), "ratio_to_torch_scaler": ratio}
+        )
+        rows.append({"mode": mode, "median_ms": s.median * 1e3, "min_ms": s.min * 1e3,
                      "n": s.n, "ratio_to_torch_scaler": ratio})  # fmt: skip
     return rows
 
 
-def main() -> None:
-    args = parse_args()
-    device = (
-        torch.device("cpu")
-        if args.quick and args.device == "auto"
-        else device_from_arg(args.device)
-    )
-    unknown = sorted(set(args.modes + args.multi_seed_modes) - set(MODES))
-    if unknown:
-        raise UsageError(f"--modes/--multi-seed-modes: unknown {unknown}; expected {list(MODES)}")
-    amp_dtype = args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
-    cfg = Config(
-        size=args.size or (64 if args.quick else 256),
-        batch_size=args.batch_size or (8 if args.quick else 128),
-        epochs=args.epochs or (1 if args.quick else 5),
-        lr=args.lr,
-        amp_dtype=amp_dtype,
-        static_scale=args.static_scale,
-        growth_interval=args.growth_interval,
-        device=str(device),
-    )
-    if cfg.size % 8 or min(cfg.size, cfg.batch_size, cfg.epochs) <= 0:
-        raise UsageError("--size must be a positive multiple of 8; --batch-size, --epochs > 0")
-    seeds = 1 if args.quick else args.seeds
-    timing_steps = args.timing_steps if args.timing_steps is not None else (4 if args.quick else 60)
-    torch.backends.cudnn.benchmark = True
-
-    data, source = prepare_data(args, args.quick)
-    train, val = split(data, device)
+def load_split(cfg: UNetConfig, run: Run):
+    """(train, val) image/mask tensors on the device; a batch larger than the training set is
+    a usage error."""
+    data, source = prepare_data(cfg)
+    train, val = split(data, run.device)
     if len(train[0]) < cfg.batch_size:
         raise UsageError(
             f"--batch-size {cfg.batch_size} exceeds the {len(train[0])} training images"
         )
-    run_id = time.strftime("%Y%m%dT%H%M%S")
-    logs = {name: RunLog(args.out / f"unet_{name}.jsonl", task="task1_unet")
-            for name in ("steps", "epochs", "runs", "timing")}  # fmt: skip
-    where = logs["runs"].env["gpu"] or logs["runs"].env["cpu"]
     print(f"data: {source}, {len(train[0])} train / {len(val[0])} val at {cfg.size}px; "
-          f"device: {where}; low precision: {amp_dtype}")  # fmt: skip
+          f"device: {run.where}; low precision: {cfg.amp_dtype}")  # fmt: skip
+    return train, val
 
-    rows = []
-    if not args.timing_only:
-        for mode in args.modes:
-            n = seeds if mode in args.multi_seed_modes else 1
-            for seed in range(args.seed, args.seed + n):
-                rows.append(train_run(mode, seed, cfg, device, train, val, logs, run_id))
-        print_table(
-            [{"mode": r["mode"], "seed": r["seed"], "train_acc": r["final_train_accuracy"],
-              "val_acc": r["val_accuracy"], "skipped": r["skipped_steps"],
-              "final_scale": r["final_scale"], "median_step_ms": r["step_s_median"] * 1e3}
-             for r in rows],
-            title=f"Training runs on {where} (logs: {args.out})",
-        )  # fmt: skip
-    if timing_steps > 0:
-        timing = time_steps(args.modes, cfg, device, train, timing_steps, logs, run_id)
-        print_table(timing, title=f"Training-step time alone, fixed batch, on {where}")
-        own = next((t for t in timing if t["mode"] == "amp_dynamic"), None)
-        if own and "amp_torch_scaler" in args.modes:
-            print(f"own DynamicGradScaler / torch GradScaler step time: "
-                  f"{own['ratio_to_torch_scaler']:.3f} (target <= 1.03)")  # fmt: skip
+
+def print_runs(rows: list[dict], run: Run) -> None:
+    print_table(
+        [{"mode": r["mode"], "seed": r["seed"], "train_acc": r["final_train_accuracy"],
+          "val_acc": r["val_accuracy"], "skipped": r["skipped_steps"],
+          "final_scale": r["final_scale"], "median_step_ms": r["step_s_median"] * 1e3}
+         for r in rows],
+        title=f"Training runs on {run.where} (logs: {run.out})",
+    )  # fmt: skip
+
+
+def print_timing(rows: list[dict], run: Run) -> None:
+    print_table(rows, title=f"Training-step time alone, fixed batch, on {run.where}")
+    by_mode = {r["mode"]: r for r in rows}
+    own, ref = by_mode.get("amp_dynamic"), by_mode.get(REFERENCE)
+    if own and ref and not own.get("oom"):
+        print(f"own DynamicGradScaler / torch GradScaler step time: "
+              f"{own['ratio_to_torch_scaler']:.3f} (target <= 1.03)")  # fmt: skip
+
+
+def main() -> None:
+    cfg, run = parse_config()
+    torch.backends.cudnn.benchmark = True
+    train, val = load_split(cfg, run)
+    if not cfg.timing_only:
+        print_runs(train_all(cfg, run, train, val), run)
+    if cfg.timing_steps > 0:
+        print_timing(time_steps(cfg, run, train), run)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,8 @@ training loop is written once::
     prec = build_precision(PrecisionSpec("own", "dynamic"), device, torch.float16)
     with prec.autocast():
         loss = loss_fn(model(x), y)
-    prec.scaler.scale(loss).backward()
-    prec.scaler.step(optimizer)
-    prec.scaler.update()
+    prec.backward(loss)
+    prec.step(optimizer)
     scale, skipped = prec.scale_and_skipped()
 """
 
@@ -25,6 +24,7 @@ import torch
 from effdl.amp.autocast import Autocast
 from effdl.amp.scaler import DynamicGradScaler, StaticGradScaler
 
+LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 AUTOCASTS = ("none", "torch", "own")
 SCALERS = ("none", "torch", "static", "dynamic")
 
@@ -50,6 +50,15 @@ class Precision:
     autocast: Callable[[], AbstractContextManager]
     scaler: Any
     _last_scale: float = 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the scaled loss: the gradients come out multiplied by the scale."""
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale, step ``optimizer`` unless a gradient is inf/NaN, then adjust the scale."""
+        self.scaler.step(optimizer)
+        self.scaler.update()
 
     def scale_and_skipped(self) -> tuple[float, bool]:
         """After ``update()``: the scale for the next step and whether this step was skipped.
@@ -113,7 +122,7 @@ def forward_precision(device: torch.device, name: str) -> Callable[[], AbstractC
     if name not in PRECISION_NAMES:
         raise ValueError(f"precision must be one of {PRECISION_NAMES}, got {name!r}")
     torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+    low = LOW_DTYPES.get(name)
     if low is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=low)

@@ -7,7 +7,8 @@
 memory for recomputation (:class:`CheckpointLevel`). The elementwise part (``silu(a) * b`` and
 its backward) runs as one fused Triton kernel on CUDA for large tensors, as one
 ``torch.cuda.jiterator`` kernel (cheaper to launch) for small ones on CUDA, and as a short chain of
-in-place PyTorch ops elsewhere; :func:`elementwise_ops` is the one place that chooses.
+in-place PyTorch ops elsewhere; :func:`elementwise_ops` is the one place that chooses, and the
+``elementwise`` argument (``"auto"`` or a backend name) can force one.
 
 At small sizes a training step is bound by CPU dispatch, not by the GPU, so the per-call Python
 work is kept to the minimum: autocast is switched off only when it is on, the level and the
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -34,7 +34,7 @@ from torch.autograd.function import once_differentiable
 if TYPE_CHECKING:
     from effdl.models.swiglu import SwigluMLP
 
-ELEMENTWISE_ENV = "EFFDL_SWIGLU_ELEMENTWISE"
+ELEMENTWISE_BACKENDS = ("auto", "torch", "jiterator", "triton")
 
 
 class CheckpointLevel(IntEnum):
@@ -119,17 +119,10 @@ def _torch_gate_backward(
 TORCH_OPS = ElementwiseOps("torch", _torch_gate, _torch_gate_backward)
 
 # Smallest (N x I) element count per dtype at which ``auto`` takes the fused Triton kernels on
-# CUDA; below it, the jiterator kernels. At level 0 the two move the same bytes (8 passes over
-# (N x I) per step and layer; the PyTorch path 16), but a Triton launch costs about twice a
-# jiterator or aten launch in Python (reports/results/swiglu/probes/launch_overhead_probe.log).
-# Level-0 step time, jiterator over Triton, in the six full H100 runs under
-# reports/results/swiglu/runs_session12/ and h100_benchmark.jsonl: bf16 at 4.2 M, 8.4 M and
-# 16.8 M elements 0.81-0.91x (host-bound steps), 0.98-1.01x from 33.5 M up and in fp32 from
-# 4.2 M up (GPU-bound steps: a tie; one run disturbed at its first config aside). Above the
-# threshold Triton serves levels 1 and 2 better: it writes its outputs over its inputs (level 1's
-# backward holds three (N x I) buffers at once, five on jiterator) and returns g from the
-# backward pass (jiterator rebuilds it: 3 passes more). Both compute in fp32, so dtypes not
-# listed (float64) stay on the PyTorch path.
+# CUDA; below it, jiterator: both move the same bytes at level 0, but a Triton launch costs more
+# host time, which bounds small steps. From here up Triton also serves levels 1 and 2 better (it
+# writes outputs over inputs and returns g from the backward). Both compute in fp32, so dtypes
+# not listed (float64) stay on the PyTorch path.
 TRITON_MIN_ELEMENTS: dict[torch.dtype, int] = {
     torch.bfloat16: 1 << 25,
     torch.float16: 1 << 25,
@@ -164,20 +157,22 @@ def _triton_ops() -> ElementwiseOps | None:
 
 
 def elementwise_ops(
-    device: torch.device, numel: int | None = None, dtype: torch.dtype | None = None
+    device: torch.device,
+    numel: int | None = None,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
 ) -> ElementwiseOps:
     """The elementwise backend for ``numel`` elements of ``dtype`` on ``device``: the only place
     that chooses.
 
-    ``$EFFDL_SWIGLU_ELEMENTWISE`` = ``auto`` (default), or ``torch``, ``jiterator``, ``triton``
-    (forced; an ImportError if that backend is missing). ``auto`` takes, on CUDA, Triton where
-    it imports and the (N x I) tensors hold at least ``TRITON_MIN_ELEMENTS[dtype]`` elements,
-    jiterator below that, and PyTorch ops for dtypes not listed there (float64) and off CUDA;
-    ``numel`` or ``dtype`` left None drops that part of the test (the answer for large tensors
-    of a dtype Triton serves). The variable is read at every call, so a benchmark can compare
-    the paths in one process.
+    ``backend`` is one of ``ELEMENTWISE_BACKENDS``: ``auto``, or ``torch``, ``jiterator``,
+    ``triton`` (forced; an ImportError if that backend is missing). ``auto`` takes, on CUDA,
+    Triton where it imports and the (N x I) tensors hold at least ``TRITON_MIN_ELEMENTS[dtype]``
+    elements, jiterator below that, and PyTorch ops for dtypes not listed there (float64) and off
+    CUDA; ``numel`` or ``dtype`` left None drops that part of the test (the answer for large
+    tensors of a dtype Triton serves).
     """
-    choice = os.environ.get(ELEMENTWISE_ENV, "auto")
+    choice = backend
     if choice == "auto":
         if device.type != "cuda":
             return TORCH_OPS
@@ -188,13 +183,11 @@ def elementwise_ops(
         return (None if small else _triton_ops()) or _jiterator_ops() or TORCH_OPS
     if choice == "torch":
         return TORCH_OPS
-    if choice not in ("jiterator", "triton"):
-        raise ValueError(
-            f"${ELEMENTWISE_ENV} must be auto, torch, jiterator or triton; got {choice!r}"
-        )
+    if choice not in ELEMENTWISE_BACKENDS:
+        raise ValueError(f"elementwise must be one of {ELEMENTWISE_BACKENDS}; got {choice!r}")
     ops = _jiterator_ops() if choice == "jiterator" else _triton_ops()
     if ops is None:
-        raise ImportError(f"${ELEMENTWISE_ENV}={choice}, but {choice} does not import here")
+        raise ImportError(f"elementwise={choice!r}, but {choice} does not import here")
     return ops
 
 
@@ -280,7 +273,7 @@ def _backward(ctx, dy: torch.Tensor):
                 dx.addmm_(da, W.t())  # dX = dA W^T + dB V^T without a separate add
             del da
 
-    return (dx.view(ctx.x_shape) if dx is not None else None), dW, dV, dU, None
+    return (dx.view(ctx.x_shape) if dx is not None else None), dW, dV, dU, None, None
 
 
 _backward_once_differentiable = once_differentiable(_backward)
@@ -324,7 +317,8 @@ class MemoryOptimizedSwigluMLPFunction(torch.autograd.Function):
     ``retain_graph=True`` and a second backward work; recomputed ones are overwritten in place.
 
     Computation happens in the inputs' common dtype with autocast disabled inside (cast inputs
-    yourself). Not twice differentiable.
+    yourself). ``elementwise`` picks the backend of the elementwise part
+    (:func:`elementwise_ops`). Not twice differentiable.
     """
 
     @staticmethod
@@ -335,6 +329,7 @@ class MemoryOptimizedSwigluMLPFunction(torch.autograd.Function):
         V: torch.Tensor,
         U: torch.Tensor,
         checkpoint_level: int,
+        elementwise: str = "auto",
     ) -> torch.Tensor:
         level = CheckpointLevel.parse(checkpoint_level)
         _check_operands(x, W, V, U)
@@ -348,7 +343,7 @@ class MemoryOptimizedSwigluMLPFunction(torch.autograd.Function):
             keep_ab = keep_g = False
         recompute = level is CheckpointLevel.RECOMPUTE_ALL
         x2 = x.reshape(-1, x.shape[-1])
-        ops = elementwise_ops(x.device, x2.shape[0] * W.shape[1], x.dtype)
+        ops = elementwise_ops(x.device, x2.shape[0] * W.shape[1], x.dtype, elementwise)
 
         with _autocast_off(x.device.type):
             a = torch.mm(x2, W)
@@ -384,6 +379,8 @@ class MemoryOptimizedSwigluMLP(nn.Module):
 
     Parameters ``W``, ``V`` are ``(hidden, intermediate)`` and ``U`` ``(intermediate, hidden)``,
     initialised like ``nn.Linear`` (uniform in :math:`\\pm 1/\\sqrt{\\text{fan\\_in}}`).
+    ``elementwise`` (one of ``ELEMENTWISE_BACKENDS``, checked here) forces the backend of the
+    elementwise part; ``"auto"`` lets :func:`elementwise_ops` choose by device, size and dtype.
     """
 
     def __init__(
@@ -392,6 +389,7 @@ class MemoryOptimizedSwigluMLP(nn.Module):
         intermediate_size: int,
         checkpoint_level: int = CheckpointLevel.SAVE_ALL,
         *,
+        elementwise: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -401,6 +399,8 @@ class MemoryOptimizedSwigluMLP(nn.Module):
         self.V = nn.Parameter(torch.empty(hidden_size, intermediate_size, **kw))
         self.U = nn.Parameter(torch.empty(intermediate_size, hidden_size, **kw))
         self.checkpoint_level = CheckpointLevel.parse(checkpoint_level)
+        elementwise_ops(self.W.device, backend=elementwise)  # unknown or missing: fail here
+        self.elementwise = elementwise
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -410,11 +410,22 @@ class MemoryOptimizedSwigluMLP(nn.Module):
 
     @classmethod
     def from_reference(
-        cls, ref: SwigluMLP, checkpoint_level: int = CheckpointLevel.SAVE_ALL
+        cls,
+        ref: SwigluMLP,
+        checkpoint_level: int = CheckpointLevel.SAVE_ALL,
+        *,
+        elementwise: str = "auto",
     ) -> MemoryOptimizedSwigluMLP:
         """A layer computing the same function as ``ref`` (weights copied, transposed)."""
         w = ref.W.weight
-        out = cls(w.shape[1], w.shape[0], checkpoint_level, device=w.device, dtype=w.dtype)
+        out = cls(
+            w.shape[1],
+            w.shape[0],
+            checkpoint_level,
+            elementwise=elementwise,
+            device=w.device,
+            dtype=w.dtype,
+        )
         with torch.no_grad():
             out.W.copy_(ref.W.weight.t())
             out.V.copy_(ref.V.weight.t())
@@ -423,11 +434,11 @@ class MemoryOptimizedSwigluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return MemoryOptimizedSwigluMLPFunction.apply(
-            x, self.W, self.V, self.U, int(self.checkpoint_level)
+            x, self.W, self.V, self.U, int(self.checkpoint_level), self.elementwise
         )
 
     def extra_repr(self) -> str:
         return (
             f"hidden={self.W.shape[0]}, intermediate={self.W.shape[1]}, "
-            f"checkpoint_level={self.checkpoint_level.name}"
+            f"checkpoint_level={self.checkpoint_level.name}, elementwise={self.elementwise}"
         )

@@ -23,11 +23,33 @@ def test_shapes_channels_and_parameter_count():
     assert sum(p.numel() for p in model.parameters()) == expected
 
 
-def test_backward_reaches_every_parameter():
-    model = UNet()
-    out = model(torch.randn(2, 3, 32, 32))
-    torch.nn.functional.binary_cross_entropy_with_logits(out, torch.ones_like(out)).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+def test_gradient_matches_finite_differences_and_reaches_every_parameter():
+    """Autograd's gradient against a float64 central difference along a random direction in
+    parameter space (gradcheck per element would take 500k forwards)."""
+    torch.manual_seed(0)
+    model = UNet().double()
+    x, target = torch.randn(2, 3, 16, 16, dtype=torch.float64), torch.rand(2, 1, 16, 16).double()
+    params = list(model.parameters())
+
+    def loss() -> torch.Tensor:
+        out = model(x)
+        return torch.nn.functional.binary_cross_entropy_with_logits(out, target)
+
+    grads = torch.autograd.grad(loss(), params)
+    assert all(g.abs().sum() > 0 for g in grads)
+    direction = [torch.randn_like(p) for p in params]
+    eps = 1e-8  # small enough that no ReLU input crosses zero (a kink breaks the difference)
+    with torch.no_grad():
+        values = []
+        for sign in (1, -1):
+            for p, d in zip(params, direction, strict=True):
+                p.add_(d, alpha=sign * eps)
+            values.append(loss())
+            for p, d in zip(params, direction, strict=True):
+                p.sub_(d, alpha=sign * eps)
+    numeric = (values[0] - values[1]) / (2 * eps)
+    analytic = sum((g * d).sum() for g, d in zip(grads, direction, strict=True))
+    torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=0)
 
 
 def test_rejects_sizes_not_divisible_by_8():

@@ -14,7 +14,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from effdl.models.swiglu import Checkpointed, MLPStack, SwigluMLP
 from effdl.ops import swiglu
 from effdl.ops.swiglu import (
-    ELEMENTWISE_ENV,
+    ELEMENTWISE_BACKENDS,
     TORCH_OPS,
     TRITON_MIN_ELEMENTS,
     CheckpointLevel,
@@ -42,10 +42,10 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, w
     assert err <= tol * max(scale, 1e-30), f"{what}: max error {err:.3g} > {tol} * {scale:.3g}"
 
 
-def make_pair(level, dtype=torch.float32, device="cpu", seed=0):
+def make_pair(level, dtype=torch.float32, device="cpu", seed=0, elementwise="auto"):
     torch.manual_seed(seed)
     ref = SwigluMLP(HIDDEN, INTER).to(device=device, dtype=dtype)
-    return ref, MemoryOptimizedSwigluMLP.from_reference(ref, level)
+    return ref, MemoryOptimizedSwigluMLP.from_reference(ref, level, elementwise=elementwise)
 
 
 def make_x(shape, dtype, device="cpu", contiguous=True, seed=1):
@@ -111,7 +111,7 @@ def backend(request, monkeypatch):
     """Runs a test on the PyTorch path and on a backend that writes nothing in place (the
     jiterator one's contract, whose backward builds g before dA, dB)."""
     if request.param == "out_of_place":
-        monkeypatch.setattr(swiglu, "elementwise_ops", lambda *args: OUT_OF_PLACE_OPS)
+        monkeypatch.setattr(swiglu, "elementwise_ops", lambda *args, **kw: OUT_OF_PLACE_OPS)
     return request.param
 
 
@@ -302,7 +302,7 @@ def _expected_intermediates(x, W, V):
 )
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_saved_tensors_per_level(level, kept, contiguous):
-    _, opt = make_pair(level)
+    ref, opt = make_pair(level)
     x = make_x((3, 4, HIDDEN), torch.float32, contiguous=contiguous).requires_grad_(True)
     y, saved = record_saved(lambda: opt(x))
     named = {"x": x, "W": opt.W, "V": opt.V, "U": opt.U}
@@ -315,7 +315,9 @@ def test_saved_tensors_per_level(level, kept, contiguous):
         found += match
     assert sorted(found) == sorted(kept)
     y.sum().backward()  # and backward still works with exactly these
-    assert x.grad is not None
+    x_ref = x.detach().requires_grad_(True)
+    ref(x_ref).sum().backward()
+    assert_rel_close(x.grad, x_ref.grad, REL_TOL[torch.float32], "grad x")
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -444,20 +446,26 @@ FAKE_TRITON = ElementwiseOps("triton", TORCH_OPS.gate, TORCH_OPS.gate_backward)
 def triton_present(monkeypatch):
     """``auto`` as on a CUDA machine where Triton and jiterator import (stand-ins, so nothing is
     imported or compiled here)."""
-    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
     monkeypatch.setattr(swiglu, "_triton_ops", lambda: FAKE_TRITON)
     monkeypatch.setattr(swiglu, "_jiterator_ops", lambda: OUT_OF_PLACE_OPS)
 
 
-def test_backend_choice(monkeypatch):
-    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
+def test_backend_choice():
     assert elementwise_ops(torch.device("cpu")) is TORCH_OPS
     assert elementwise_ops(torch.device("cpu"), 1 << 30, torch.bfloat16) is TORCH_OPS
-    monkeypatch.setenv(ELEMENTWISE_ENV, "torch")
-    assert elementwise_ops(torch.device("cuda")) is TORCH_OPS
-    monkeypatch.setenv(ELEMENTWISE_ENV, "fast")
-    with pytest.raises(ValueError, match=ELEMENTWISE_ENV):
-        elementwise_ops(torch.device("cpu"))
+    assert elementwise_ops(CUDA, backend="torch") is TORCH_OPS
+    choices = str(ELEMENTWISE_BACKENDS).replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ValueError, match=f"one of {choices}; got 'fast'"):
+        elementwise_ops(torch.device("cpu"), backend="fast")
+
+
+def test_module_checks_its_backend_when_built(monkeypatch):
+    with pytest.raises(ValueError, match="elementwise must be one of"):
+        MemoryOptimizedSwigluMLP(HIDDEN, INTER, elementwise="fast")
+    monkeypatch.setattr(swiglu, "_triton_ops", lambda: None)
+    with pytest.raises(ImportError, match="triton does not import"):
+        MemoryOptimizedSwigluMLP(HIDDEN, INTER, elementwise="triton")
+    assert "elementwise=torch" in repr(MemoryOptimizedSwigluMLP(HIDDEN, INTER, elementwise="torch"))
 
 
 @pytest.mark.parametrize("dtype", list(TRITON_MIN_ELEMENTS), ids=str)
@@ -471,10 +479,8 @@ def test_auto_takes_triton_from_the_threshold_up(triton_present, dtype):
     assert elementwise_ops(torch.device("cpu"), threshold, dtype) is TORCH_OPS
 
 
-# (tokens, intermediate, dtype, faster level-0 path on one H100): every config of the full runs
-# under reports/results/swiglu/runs_session12/ (level0_jiterator vs level0_triton) whose two
-# paths differ by more than 2% the same way in every run. Elsewhere the two tie (GPU-bound steps,
-# same bytes), and Triton is taken there for levels 1 and 2 (see TRITON_MIN_ELEMENTS).
+# (tokens, intermediate, dtype, faster level-0 path): the benchmark's configs where one path was
+# faster on an H100 in every full run (the SwiGLU report); TRITON_MIN_ELEMENTS must keep them so.
 H100_FASTER = [
     (16 * 128, 2048, torch.bfloat16, "jiterator"),
     (32 * 128, 2048, torch.bfloat16, "jiterator"),
@@ -492,43 +498,41 @@ def test_auto_keeps_float64_off_triton_and_jiterator(triton_present):
     assert elementwise_ops(CUDA, 1 << 30, torch.float64) is TORCH_OPS
 
 
-def test_forced_backend_ignores_size_and_dtype(triton_present, monkeypatch):
-    monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
-    assert elementwise_ops(CUDA, 1, torch.bfloat16) is FAKE_TRITON
-    assert elementwise_ops(CUDA, 1, torch.float64) is FAKE_TRITON
-    monkeypatch.setenv(ELEMENTWISE_ENV, "jiterator")
-    assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is OUT_OF_PLACE_OPS
-    monkeypatch.setenv(ELEMENTWISE_ENV, "torch")
-    assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is TORCH_OPS
+def test_forced_backend_ignores_size_and_dtype(triton_present):
+    assert elementwise_ops(CUDA, 1, torch.bfloat16, "triton") is FAKE_TRITON
+    assert elementwise_ops(CUDA, 1, torch.float64, "triton") is FAKE_TRITON
+    assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16, "jiterator") is OUT_OF_PLACE_OPS
+    assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16, "torch") is TORCH_OPS
 
 
 def test_missing_triton_and_jiterator(monkeypatch):
     monkeypatch.setattr(swiglu, "_triton_ops", lambda: None)
     monkeypatch.setattr(swiglu, "_jiterator_ops", lambda: OUT_OF_PLACE_OPS)
-    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
     assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is OUT_OF_PLACE_OPS
     monkeypatch.setattr(swiglu, "_jiterator_ops", lambda: None)
     assert elementwise_ops(CUDA, 1 << 30, torch.bfloat16) is TORCH_OPS
-    monkeypatch.setenv(ELEMENTWISE_ENV, "triton")
-    with pytest.raises(ImportError, match=f"{ELEMENTWISE_ENV}=triton"):
-        elementwise_ops(CUDA, 1 << 30, torch.bfloat16)
+    with pytest.raises(ImportError, match="elementwise='triton', but triton does not import"):
+        elementwise_ops(CUDA, 1 << 30, torch.bfloat16, "triton")
 
 
 def test_backend_chosen_once_per_forward_with_the_element_count(monkeypatch):
-    """The forward passes N x I and the dtype; the backward reuses the forward's choice."""
+    """The forward passes N x I, the dtype and the module's backend; the backward reuses the
+    forward's choice."""
     calls = []
 
-    def recording(device, numel=None, dtype=None):
-        calls.append((device.type, numel, dtype))
+    def recording(device, numel=None, dtype=None, backend="auto"):
+        calls.append((device.type, numel, dtype, backend))
         return TORCH_OPS
 
-    monkeypatch.setattr(swiglu, "elementwise_ops", recording)
     for level in LEVELS:
-        calls.clear()
-        _, opt = make_pair(level)
-        x = make_x((3, 4, HIDDEN), torch.float32).requires_grad_(True)
-        opt(x).sum().backward()
-        assert calls == [("cpu", 3 * 4 * INTER, torch.float32)], level
+        for backend in ("auto", "torch"):
+            _, opt = make_pair(level, elementwise=backend)
+            x = make_x((3, 4, HIDDEN), torch.float32).requires_grad_(True)
+            with monkeypatch.context() as m:
+                m.setattr(swiglu, "elementwise_ops", recording)
+                calls.clear()
+                opt(x).sum().backward()
+            assert calls == [("cpu", 3 * 4 * INTER, torch.float32, backend)], (level, backend)
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -579,12 +583,11 @@ def test_triton_kernels_in_interpreter_match_float64_math():
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
 )
-def test_cuda_matches_reference(cuda_backend, level, dtype, monkeypatch):
+def test_cuda_matches_reference(cuda_backend, level, dtype):
     if cuda_backend == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setenv(ELEMENTWISE_ENV, cuda_backend)
-    ref, opt = make_pair(level, dtype, device="cuda")
-    assert elementwise_ops(opt.W.device).name == cuda_backend
+    ref, opt = make_pair(level, dtype, device="cuda", elementwise=cuda_backend)
+    assert elementwise_ops(opt.W.device, backend=opt.elementwise).name == cuda_backend
     for contiguous in (True, False):
         x = make_x((4, 33, HIDDEN), dtype, device="cuda", contiguous=contiguous)
         dy = make_x((4, 33, HIDDEN), dtype, device="cuda", seed=2)
@@ -641,10 +644,9 @@ def test_cuda_jiterator_kernels_match_torch_path():
 
 
 @pytest.mark.gpu
-def test_cuda_auto_backend_by_size(monkeypatch):
+def test_cuda_auto_backend_by_size():
     """The real chooser on CUDA (Triton imported): jiterator below the threshold, Triton from it."""
     pytest.importorskip("triton")
-    monkeypatch.delenv(ELEMENTWISE_ENV, raising=False)
     for dtype, threshold in TRITON_MIN_ELEMENTS.items():
         assert elementwise_ops(CUDA, threshold - 1, dtype).name == "jiterator", dtype
         assert elementwise_ops(CUDA, threshold, dtype).name == "triton", dtype
@@ -663,11 +665,10 @@ def _cuda_step_peak(stack: torch.nn.Module, x: torch.Tensor) -> int:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_backend", ["auto", "triton", "jiterator", "torch"])
-def test_cuda_peak_memory_order(cuda_backend, monkeypatch):
+def test_cuda_peak_memory_order(cuda_backend):
     """Level 0 peaks no higher than the reference, level 1 no higher than torch.utils.checkpoint."""
     if cuda_backend == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setenv(ELEMENTWISE_ENV, cuda_backend)
     hidden, inter, layers = 256, 1024, 4
     torch.manual_seed(0)
     refs = [SwigluMLP(hidden, inter, device="cuda") for _ in range(layers)]
@@ -677,7 +678,11 @@ def test_cuda_peak_memory_order(cuda_backend, monkeypatch):
         "checkpoint": MLPStack([Checkpointed(r) for r in refs], residual=True),
         **{
             int(lvl): MLPStack(
-                [MemoryOptimizedSwigluMLP.from_reference(r, lvl) for r in refs], True
+                [
+                    MemoryOptimizedSwigluMLP.from_reference(r, lvl, elementwise=cuda_backend)
+                    for r in refs
+                ],
+                True,
             )
             for lvl in LEVELS
         },

@@ -58,13 +58,16 @@ def test_benchmark_rejects_bad_counts():
         benchmark(lambda: None, iters=0, device="cpu")
 
 
-def test_region_timer_cpu_and_misuse():
+def test_region_timer_cpu_and_misuse(monkeypatch):
+    """On a fake clock: each region's duration exactly, whatever the machine's load."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
     t = RegionTimer("cpu")
-    for d in (0.005, 0.015):
+    for d in (0.25, 0.5):
         with t.region():
-            time.sleep(d)
-    times = t.times()
-    assert len(times) == 2 and times[0] < times[1]
+            clock["now"] += d
+        clock["now"] += 1.0  # between regions: not counted
+    assert t.times() == [0.25, 0.5]
     with pytest.raises(RuntimeError):
         t.stop()
     t.start()

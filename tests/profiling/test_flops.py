@@ -1,0 +1,59 @@
+import itertools
+import time
+
+import pytest
+import torch
+
+from effdl.profiling.flops import (
+    matmul_flops,
+    measure_copy_bandwidth,
+    measure_matmul_tflops,
+    tflops,
+)
+
+
+def brute_force_matmul_flops(m: int, n: int, k: int) -> int:
+    """Count the multiplies and adds of the schoolbook product, one term at a time."""
+    ops = 0
+    for _i, _j in itertools.product(range(m), range(n)):
+        for _term in range(k):
+            ops += 2  # acc += a[i, t] * b[t, j]
+    return ops
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (3, 5, 7), (8, 2, 9), (4, 4, 0)])
+def test_matmul_flops_counts_a_multiply_and_an_add_per_term(m, n, k):
+    assert matmul_flops(m, n, k) == brute_force_matmul_flops(m, n, k)
+
+
+def test_tflops_is_flops_per_second_over_a_trillion():
+    assert tflops(3e12, 1.5) == pytest.approx(2.0)
+    assert tflops(matmul_flops(1000, 1000, 1000), 1e-3) == pytest.approx(2.0)
+
+
+@pytest.fixture
+def millisecond_clock(monkeypatch):
+    """``time.perf_counter`` advancing 1 ms per read: every timed call takes exactly 1 ms."""
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
+
+
+def test_measure_matmul_tflops_on_cpu_is_flops_over_the_median(millisecond_clock):
+    tf, stats = measure_matmul_tflops(16, torch.float32, "cpu", warmup=1, iters=4)
+    assert stats.n == 4
+    assert stats.median == pytest.approx(1e-3)
+    assert tf == pytest.approx(tflops(matmul_flops(16, 16, 16), stats.median))
+
+
+def test_measure_copy_bandwidth_counts_bytes_read_and_written(millisecond_clock):
+    nbytes = 4096
+    gbs, stats = measure_copy_bandwidth(nbytes, torch.device("cpu"), warmup=1, iters=3)
+    assert stats.n == 3
+    assert gbs == pytest.approx(2 * nbytes / stats.median / 1e9)
+    assert gbs == pytest.approx(2 * nbytes / 1e-3 / 1e9)
+
+
+def test_measure_copy_bandwidth_real_clock_is_consistent():
+    gbs, stats = measure_copy_bandwidth(1 << 16, "cpu", warmup=1, iters=5)
+    assert stats.n == 5 and 0 < stats.min <= stats.median <= stats.max
+    assert gbs == pytest.approx(2 * (1 << 16) / stats.median / 1e9)
