@@ -14,8 +14,8 @@ Every row carries the metadata that keeps its documents apart: ``doc_ids`` (segm
 token, ``-1`` on the padded tail), ``position_ids`` restarting at 0 in each segment,
 ``cu_seqlens`` (segment boundaries, the padded tail counted as one segment so the last entry is
 ``seq_len``) and ``labels`` (next token of the same segment, ``-100`` at segment ends and on
-padding). :func:`document_causal_mask` turns ``doc_ids`` into the dense block-diagonal causal
-mask; :mod:`effdl.ops.document_attention` uses the same rule with FlexAttention.
+padding). :mod:`effdl.ops.document_mask` turns ``doc_ids`` into the attention mask that keeps
+the documents of a row apart.
 """
 
 from __future__ import annotations
@@ -24,18 +24,14 @@ import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from effdl.data.labels import IGNORE_INDEX
-
-PAD_DOC_ID = -1
-
-if TYPE_CHECKING:
-    from effdl.ops.document_attention import DocumentBlocks
+from effdl.ops.document_mask import PAD_DOC_ID, DocumentBlocks, document_blocks
 
 OverflowPolicy = Literal["split", "truncate", "drop"]
 OversizePolicy = Literal["error", "split", "drop"]
@@ -129,7 +125,7 @@ def collate_packed(
     With ``n_rows`` (and ``pad_id``), a short batch is topped up with all-padding rows, so
     every batch has the same shape: compiled kernels (FlexAttention) would otherwise compile
     again for a final partial batch. ``attention_block_size``: also build the FlexAttention
-    block lists of ``doc_ids`` (:func:`effdl.ops.document_attention.document_blocks`), here
+    block lists of ``doc_ids`` (:func:`effdl.ops.document_mask.document_blocks`), here
     on the CPU, where DataLoader workers take that work off the training loop.
     """
     if not rows:
@@ -145,8 +141,6 @@ def collate_packed(
     labels = torch.stack([r["labels"] for r in rows])
     blocks = None
     if attention_block_size is not None:
-        from effdl.ops.document_attention import document_blocks
-
         blocks = document_blocks(doc_ids, attention_block_size)
     return PackedBatch(
         input_ids=torch.stack([r["input_ids"] for r in rows]),
@@ -159,19 +153,6 @@ def collate_packed(
         n_label_tokens=int((labels != IGNORE_INDEX).sum()),
         blocks=blocks,
     )
-
-
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Dense block-diagonal causal mask from ``doc_ids`` of shape ``(B, L)``.
-
-    Returns bool ``(B, L, L)``, True where query ``i`` may attend key ``j``: same document id
-    and ``j <= i``. Padding (id -1) attends only to padding, so no row is empty. Memory is
-    O(B * L^2): this is the fallback path, FlexAttention builds a sparse block mask instead.
-    """
-    same_doc = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
-    n = doc_ids.shape[-1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=doc_ids.device).tril_()
-    return same_doc & causal
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,13 +27,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from effdl.ops.document_attention import (
-    BLOCK_SIZE,
-    DocumentBlocks,
-    DocumentMultiheadAttention,
-    document_mask,
-    select_backend,
-)
+from effdl.ops.document_attention import DocumentMultiheadAttention, document_mask, select_backend
+from effdl.ops.document_mask import BLOCK_SIZE, DocumentBlocks
 
 
 class PositionalEncoding(nn.Module):

@@ -8,20 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from effdl.data.labels import IGNORE_INDEX
 from effdl.data.packing import (
-    IGNORE_INDEX,
-    PAD_DOC_ID,
     BinDataset,
     SequencedDataset,
     _MaxSegmentTree,
     best_fit_decreasing,
     collate_bins,
     collate_packed,
-    document_causal_mask,
     first_fit_decreasing,
     pack_row,
     packed_loader,
 )
+from effdl.ops.document_mask import PAD_DOC_ID, document_blocks
 
 PACKERS = {"ffd": first_fit_decreasing, "bfd": best_fit_decreasing}
 
@@ -210,17 +209,6 @@ def test_collate_packed_global_cu_seqlens_and_counts():
         collate_packed([])
 
 
-def test_document_causal_mask_matches_definition():
-    doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 1, 2, 2, -1, -1]])
-    mask = document_causal_mask(doc_ids)
-    for b in range(2):
-        for i in range(6):
-            for j in range(6):
-                want = bool(doc_ids[b, i] == doc_ids[b, j]) and j <= i
-                assert bool(mask[b, i, j]) == want
-    assert mask.diagonal(dim1=1, dim2=2).all()  # no empty rows, padding included
-
-
 # ---------------------------------------------------------------------------------------------
 # SequencedDataset
 
@@ -378,8 +366,6 @@ def test_packed_loader_delivers_every_token_once(method):
 
 @pytest.mark.parametrize("method", ["concat", "bfd"])
 def test_packed_loader_builds_attention_block_lists_in_the_workers(method):
-    from effdl.ops.document_attention import document_blocks
-
     docs = DocsWithLengths(make_docs([7, 12, 3, 25, 9, 1, 16, 4]))
     loader = packed_loader(docs, 16, 2, pad_id=0, method=method, attention_block_size=4)
     for batch in loader:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from effdl.data.packing import collate_packed, document_causal_mask, pack_row
+from effdl.data.packing import collate_packed, pack_row
 from effdl.models import gpt_like
 from effdl.models.gpt_like import (
     GPTLikeConfig,
@@ -18,6 +18,7 @@ from effdl.models.gpt_like import (
 from effdl.models.lm_objective import LMCrossEntropyLoss, lm_inputs
 from effdl.ops import document_attention as document_attention_module
 from effdl.ops.document_attention import DocumentMultiheadAttention, flex_available
+from effdl.ops.document_mask import document_causal_mask
 
 TINY = GPTLikeConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_length=16)
 # Rows of 150 tokens: two FlexAttention blocks of 128, the second one partial.
