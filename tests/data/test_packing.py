@@ -1,5 +1,4 @@
 import functools
-import time
 
 import numpy as np
 import pytest
@@ -151,21 +150,29 @@ def test_wikitext_like_bfd_not_worse_than_ffd_and_near_bound():
     assert bfd.fill_ratio >= 0.99
 
 
-def test_bfd_speed_scaled_down():
-    # 1/9 of the 1.8 M target; the full-size check is test_bfd_full_size_target (slow).
+@pytest.mark.parametrize("name", PACKERS)
+def test_packers_query_the_tree_at_most_once_per_item_and_length(name, monkeypatch):
+    # The complexity contract: T <= N + (distinct lengths) segment-tree queries, not N * bins.
     lengths = wikitext_like_lengths(200_000, seed=1)
-    t0 = time.perf_counter()
-    packing = best_fit_decreasing(lengths, 640)
-    assert time.perf_counter() - t0 < 10 / 9
+    queries = 0
+    query = _MaxSegmentTree.leftmost_at_least
+
+    def counted(self, x):
+        nonlocal queries
+        queries += 1
+        return query(self, x)
+
+    monkeypatch.setattr(_MaxSegmentTree, "leftmost_at_least", counted)
+    packing = PACKERS[name](lengths, 640)
+    assert queries <= len(lengths) + len(np.unique(lengths))
     assert packing.stats.fill_ratio >= 0.99
 
 
 @pytest.mark.slow
 def test_bfd_full_size_target():
+    # The time target (< 10 s) is measured by task2_batching/packing_costs.py, not asserted here.
     lengths = wikitext_like_lengths(1_800_000, seed=2)
-    t0 = time.perf_counter()
     packing = best_fit_decreasing(lengths, 640)
-    assert time.perf_counter() - t0 < 10.0
     assert packing.stats.fill_ratio >= 0.99
     check_invariants(packing, lengths)
 

@@ -58,7 +58,7 @@ def qkv(shape, dtype=torch.float64, device="cpu", seed=0):
 
 
 def mha_blocked_mask(doc_ids, heads):
-    """The model's pre-FlexAttention path: nn.MultiheadAttention's (B * heads, L, L) mask."""
+    """The reference: nn.MultiheadAttention's boolean (B * heads, L, L) mask (True = blocked)."""
     return (~document_causal_mask(doc_ids)).repeat_interleave(heads, dim=0)
 
 
