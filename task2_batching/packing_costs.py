@@ -1,7 +1,7 @@
 """Bin packing on the CPU: First-Fit vs Best-Fit Decreasing time, bins and fill at growing n.
 
 For each n the same WikiText-like document lengths are packed into bins of --capacity tokens
-by FFD and BFD (effdl.data.packing), against the lower bound ceil(total / capacity). A third
+by FFD and BFD (effdl.data.bin_packing), against the lower bound ceil(total / capacity). A third
 row, "concat", is plain concatenation into rows (SequencedDataset's "split" policy): it meets
 the lower bound but cuts documents at row ends; the table counts how many.
 
@@ -37,7 +37,7 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.data.packing import Packing, best_fit_decreasing, first_fit_decreasing
+from effdl.data.bin_packing import Packing, best_fit_decreasing, first_fit_decreasing
 from effdl.profiling.timing import TimingStats, benchmark
 
 PACKERS = {"ffd": first_fit_decreasing, "bfd": best_fit_decreasing}
