@@ -229,7 +229,7 @@ def first_fit_decreasing(
     bins (max remaining capacity per bin; the leftmost bin that fits is found by descending
     the tree). Items of one length are placed together: the bin that First-Fit picks keeps
     being picked until it cannot take another item of that length, so each query places
-    ``remaining // length`` items at once, so T <= N + (distinct lengths). New bins for a run
+    ``remaining // length`` items at once and T <= N + (distinct lengths). New bins for a run
     of equal items are opened in one bulk update.
     """
     pieces = _pieces(lengths, capacity, oversize)
