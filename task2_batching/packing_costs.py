@@ -1,7 +1,7 @@
 """Bin packing on the CPU: First-Fit vs Best-Fit Decreasing time, bins and fill at growing n.
 
 For each n the same WikiText-like document lengths are packed into bins of --capacity tokens
-by FFD and BFD (effdl.data.packing), against the lower bound ceil(total / capacity). A third
+by FFD and BFD (effdl.data.bin_packing), against the lower bound ceil(total / capacity). A third
 row, "concat", is plain concatenation into rows (SequencedDataset's "split" policy): it meets
 the lower bound but cuts documents at row ends; the table counts how many.
 
@@ -16,39 +16,74 @@ effdl.data.corpus), so full size needs no text generation. Longer than --capacit
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from effdl.cli import UsageError, base_parser, print_table, require_path, run_main
-from effdl.data.packing import best_fit_decreasing, first_fit_decreasing
-from effdl.profiling.timing import benchmark
-from effdl.results import RunLog
+from effdl.cli import (
+    ConfigFlags,
+    Run,
+    UsageError,
+    base_parser,
+    print_table,
+    require_choices,
+    require_path,
+    require_positive,
+    run_main,
+    start_run,
+)
+from effdl.data.bin_packing import Packing, best_fit_decreasing, first_fit_decreasing
+from effdl.profiling.timing import TimingStats, benchmark
 
 PACKERS = {"ffd": first_fit_decreasing, "bfd": best_fit_decreasing}
+OVERLONG = ["truncate", "drop", "split"]
 BFD_TARGET_S, FILL_TARGET, TARGET_N = 10.0, 0.99, 1_800_000
 
 
-def parse_args():
+@dataclass
+class PackingCostsConfig:
+    sizes: list[int] = field(default_factory=lambda: [10_000, 100_000, 1_000_000, 1_800_000])
+    capacity: int = 640
+    overlong: str = "truncate"
+    corpus: str | None = None  # None: lengths drawn from the generated corpus's distribution
+    iters: int = 3
+    warmup: int = 1
+
+    def validate(self) -> None:
+        require_positive(self, "sizes", "capacity", "iters")
+        require_positive(self, "warmup", minimum=0)
+        require_choices(self, "overlong", OVERLONG)
+
+
+FULL = PackingCostsConfig()
+QUICK = replace(FULL, sizes=[1_000, 10_000, 100_000], iters=1, warmup=0)
+
+
+def count(text: str) -> int:
+    """An argparse type: a count, also written as a float (``1.8e6``)."""
+    return int(float(text))
+
+
+def parse_args() -> tuple[argparse.Namespace, PackingCostsConfig]:
     p = base_parser(__doc__.splitlines()[0], default_out="runs/task2")
-    p.add_argument(
-        "--sizes",
-        type=float,
-        nargs="+",
-        default=None,
-        help="numbers of documents; default 1e4 1e5 1e6 1.8e6, with --quick 1e3 1e4 1e5",
-    )
-    p.add_argument("--capacity", type=int, default=640, help="bin size in tokens")
-    p.add_argument(
-        "--overlong",
-        choices=["truncate", "drop", "split"],
-        default="truncate",
+    flags = ConfigFlags(p, FULL, QUICK)
+    flags.add("sizes", type=count, nargs="+", help="numbers of documents")
+    flags.add("capacity", type=int, help="bin size in tokens")
+    flags.add(
+        "overlong",
+        choices=OVERLONG,
         help="documents longer than --capacity: cut to it, leave out, or split into pieces",
     )
-    p.add_argument("--corpus", default=None, help="wiki.train.raw/.tokens, its folder, or .parquet")
-    p.add_argument("--iters", type=int, default=3, help="timed repeats per packer (1 with --quick)")
-    return p.parse_args()
+    flags.add("corpus", help="wiki.train.raw/.tokens, its folder, or .parquet")
+    flags.add("iters", type=int, help="timed repeats per packer")
+    flags.add("warmup", type=int, help="untimed packs before the timed ones")
+    args = p.parse_args()
+    return args, flags.resolve(args)
 
 
 def wikitext_like_lengths(n: int, seed: int) -> np.ndarray:
@@ -101,8 +136,15 @@ def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> tuple[np.
     return lengths, policy
 
 
-def timed_pack(pack, lengths, capacity, oversize, warmup, iters):
-    """Median-able timings of ``pack(lengths, capacity)`` and the packing of the last call."""
+def timed_pack(
+    pack: Callable[..., Packing],
+    lengths: np.ndarray,
+    capacity: int,
+    oversize: str,
+    warmup: int,
+    iters: int,
+) -> tuple[Packing, TimingStats]:
+    """Timings of ``pack(lengths, capacity)`` and the packing of the last call."""
     last = {}
 
     def run():
@@ -112,35 +154,26 @@ def timed_pack(pack, lengths, capacity, oversize, warmup, iters):
     return last["packing"], stats
 
 
-def main() -> None:
-    args = parse_args()
-    if args.capacity < 1 or args.iters < 1:
-        raise UsageError("--capacity and --iters must be positive")
-    sizes = args.sizes or ([1e3, 1e4, 1e5] if args.quick else [1e4, 1e5, 1e6, 1.8e6])
-    sizes = [int(s) for s in sizes]
-    if min(sizes) < 1:
-        raise UsageError(f"--sizes must be positive, got {sizes}")
-    iters = 1 if args.quick else args.iters
-    pool = corpus_lengths(args.corpus) if args.corpus else None
-    source = args.corpus or "wikitext_like(seed)"
-
-    log = RunLog(args.out / "packing.jsonl", task="task2")
+def pack_sizes(cfg: PackingCostsConfig, run: Run) -> list[dict[str, Any]]:
+    """Concatenation, FFD and BFD at every size, logged; their table rows."""
+    pool = corpus_lengths(cfg.corpus) if cfg.corpus else None
+    source = cfg.corpus or "wikitext_like(seed)"
     rows = []
-    for n in tqdm(sizes, desc="sizes", unit="n"):
-        raw = sample(pool, n, args.seed)
-        lengths, oversize = apply_overlong(raw, args.capacity, args.overlong)
-        n_overlong = int((raw > args.capacity).sum())
+    for n in tqdm(cfg.sizes, desc="sizes", unit="n"):
+        raw = sample(pool, n, run.seed)
+        lengths, oversize = apply_overlong(raw, cfg.capacity, cfg.overlong)
+        n_overlong = int((raw > cfg.capacity).sum())
         base = {
             "n": n,
             "n_overlong": n_overlong,
-            "capacity": args.capacity,
-            "overlong": args.overlong,
+            "capacity": cfg.capacity,
+            "overlong": cfg.overlong,
             "source": source,
-            "seed": args.seed,
+            "seed": run.seed,
         }
-        cs = concat_stats(lengths, args.capacity)
+        cs = concat_stats(lengths, cfg.capacity)
         lb = cs["bins"]  # ceil(total / capacity): concatenation meets the lower bound
-        log.log("packing_concat", {**base, "algorithm": "concat"}, {**cs, "lower_bound": lb})
+        run.log.log("packing_concat", {**base, "algorithm": "concat"}, {**cs, "lower_bound": lb})
         rows.append(
             {
                 "n": n,
@@ -154,7 +187,7 @@ def main() -> None:
         )
         for name, pack in PACKERS.items():
             packing, stats = timed_pack(
-                pack, lengths, args.capacity, oversize, warmup=0 if args.quick else 1, iters=iters
+                pack, lengths, cfg.capacity, oversize, cfg.warmup, cfg.iters
             )
             ps = packing.stats
             metrics = {
@@ -162,7 +195,7 @@ def main() -> None:
                 **stats.as_dict("time_s_"),
                 "excess_bins": ps.n_bins - ps.lower_bound,
             }
-            log.log(f"packing_{name}", {**base, "algorithm": name}, metrics)
+            run.log.log(f"packing_{name}", {**base, "algorithm": name}, metrics)
             rows.append(
                 {
                     "n": n,
@@ -170,14 +203,18 @@ def main() -> None:
                     "time_s": stats.median,
                     "bins": ps.n_bins,
                     "fill": f"{ps.fill_ratio:.4%}",
-                    "docs_cut": n_overlong if args.overlong == "split" else 0,
+                    "docs_cut": n_overlong if cfg.overlong == "split" else 0,
                     "lower_bound": ps.lower_bound,
                 }
             )
+    return rows
 
-    print_table(rows, title=f"Packing into {args.capacity}-token bins (log: {log.path})")
-    full = [r for r in rows if r["algorithm"] == "bfd" and r["n"] >= TARGET_N]
-    for r in full:
+
+def print_bfd_target(rows: list[dict[str, Any]]) -> None:
+    """Whether BFD met its target (time and fill) at the full WikiText-103 size."""
+    for r in rows:
+        if r["algorithm"] != "bfd" or r["n"] < TARGET_N:
+            continue
         fill = float(r["fill"].rstrip("%")) / 100
         ok = r["time_s"] < BFD_TARGET_S and fill >= FILL_TARGET
         print(
@@ -185,6 +222,14 @@ def main() -> None:
             f"n={r['n']}: {r['time_s']:.2f} s, fill {r['fill']} -> "
             f"{'met' if ok else 'NOT met'}"
         )
+
+
+def main() -> None:
+    args, cfg = parse_args()
+    run = start_run(args, task="task2", logs="packing.jsonl")
+    rows = pack_sizes(cfg, run)
+    print_table(rows, title=f"Packing into {cfg.capacity}-token bins (log: {run.log.path})")
+    print_bfd_target(rows)
 
 
 if __name__ == "__main__":

@@ -11,38 +11,54 @@ batch, which restores the index pool), and the mean cost per batch and per index
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from tqdm import tqdm
 
-from effdl.cli import UsageError, base_parser, print_table, run_main, seed_everything
+from effdl.cli import ConfigFlags, base_parser, print_table, require_positive, run_main, start_run
 from effdl.data.samplers import UltraDuperBigBrainBatchSampler
-from effdl.results import RunLog
 
 
-def parse_args():
+@dataclass
+class SamplerCostsConfig:
+    ns: list[int] = field(default_factory=lambda: [10_000, 100_000, 1_000_000, 1_800_000])
+    ks: list[int] = field(default_factory=lambda: [1, 5, 50, 640])
+    batch_size: int = 64
+    batches: int = 2000
+    repeats: int = 5
+
+    def validate(self) -> None:
+        require_positive(self, "ns", "batch_size", "batches", "repeats")
+        require_positive(self, "ks", minimum=0)
+
+
+FULL = SamplerCostsConfig()
+QUICK = replace(FULL, ns=[1_000, 10_000, 100_000], batches=300, repeats=2)
+
+
+def parse_args() -> tuple[argparse.Namespace, SamplerCostsConfig]:
     p = base_parser(__doc__.splitlines()[0], default_out="runs/task2")
-    p.add_argument(
-        "--ns",
-        type=int,
-        nargs="+",
-        default=None,
-        help="dataset sizes; default 1e4 1e5 1e6 1.8e6 (1e3 1e4 1e5 with --quick)",
-    )
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 5, 50, 640])
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--batches", type=int, default=2000, help="batches timed per (n, k)")
-    p.add_argument("--repeats", type=int, default=5, help="__init__ repeats")
-    return p.parse_args()
+    flags = ConfigFlags(p, FULL, QUICK)
+    flags.add("ns", type=int, nargs="+", help="dataset sizes")
+    flags.add("ks", type=int, nargs="+", help="length spans")
+    flags.add("batch_size", type=int, help="rows per batch")
+    flags.add("batches", type=int, help="batches timed per (n, k)")
+    flags.add("repeats", type=int, help="__init__ repeats")
+    args = p.parse_args()
+    return args, flags.resolve(args)
 
 
 def wikitext_like_lengths(n: int, rng: np.random.Generator, max_length: int = 640) -> np.ndarray:
+    """``n`` lengths like WikiText-103's paragraphs (see the module doc)."""
     return np.clip(rng.lognormal(np.log(75.0), 0.95, n), 1, max_length).astype(np.int64)
 
 
 def measure(lengths: np.ndarray, batch_size: int, k: int, batches: int, repeats: int) -> dict:
+    """The sampler's ``__init__`` (median of ``repeats``), first-batch and per-batch costs."""
     inits = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -70,40 +86,31 @@ def measure(lengths: np.ndarray, batch_size: int, k: int, batches: int, repeats:
     }
 
 
+def measure_row(n: int, k: int, m: dict) -> dict:
+    return {
+        "n": n,
+        "k": k,
+        "init_ms": m["init_s"] * 1e3,
+        "first_batch_ms": m["first_batch_s"] * 1e3,
+        "batch_us": m["batch_s_mean"] * 1e6,
+        "index_us": m["index_s_mean"] * 1e6,
+        "mean_batch_len": m["mean_batch_len"],
+    }
+
+
 def main() -> None:
-    args = parse_args()
-    seed_everything(args.seed)
-    ns = args.ns or (
-        [1_000, 10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000, 1_800_000]
-    )
-    batches = min(args.batches, 300) if args.quick else args.batches
-    repeats = 2 if args.quick else args.repeats
-    if min(ns) < 1 or args.batch_size < 1 or min(args.ks) < 0:
-        raise UsageError("--ns and --batch-size must be positive, --ks non-negative")
-    rng = np.random.default_rng(args.seed)
-    log = RunLog(args.out / "sampler_costs.jsonl", task="task2")
+    args, cfg = parse_args()
+    run = start_run(args, task="task2", logs="sampler_costs.jsonl")
+    rng = np.random.default_rng(run.seed)
     rows = []
-    for n in tqdm(ns, desc="n", unit="size"):
+    for n in tqdm(cfg.ns, desc="n", unit="size"):
         lengths = wikitext_like_lengths(n, rng)
-        for k in args.ks:
-            m = measure(lengths, args.batch_size, k, batches, repeats)
-            log.log(
-                f"sampler_n{n}_k{k}",
-                {"experiment": "sampler_costs", "n": n, "k": k, "batch_size": args.batch_size},
-                m,
-            )
-            rows.append(
-                {
-                    "n": n,
-                    "k": k,
-                    "init_ms": m["init_s"] * 1e3,
-                    "first_batch_ms": m["first_batch_s"] * 1e3,
-                    "batch_us": m["batch_s_mean"] * 1e6,
-                    "index_us": m["index_s_mean"] * 1e6,
-                    "mean_batch_len": m["mean_batch_len"],
-                }
-            )
-    print_table(rows, title=f"UltraDuperBigBrainBatchSampler costs on CPU (log: {log.path})")
+        for k in cfg.ks:
+            m = measure(lengths, cfg.batch_size, k, cfg.batches, cfg.repeats)
+            config = {"experiment": "sampler_costs", "n": n, "k": k, "batch_size": cfg.batch_size}
+            run.log.log(f"sampler_n{n}_k{k}", config, m)
+            rows.append(measure_row(n, k, m))
+    print_table(rows, title=f"UltraDuperBigBrainBatchSampler costs on CPU (log: {run.log.path})")
 
 
 if __name__ == "__main__":

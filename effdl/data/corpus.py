@@ -10,8 +10,7 @@ headings; the empty lines between them carry no text). Three sources give the sa
   (`` = Title = `` and `` = = Section = = `` headings, blank lines, paragraphs whose token counts
   are log-normal, about 1% of them longer than 640 tokens). At full size it has WikiText-103's
   1,801,350 lines and about 100 M whitespace tokens; it is built with numpy in chunks of lines
-  (about 10 s at full size on one core of the 2-core dev machine) and can be written in the
-  official file layout.
+  and can be written in the official file layout.
 """
 
 from __future__ import annotations

@@ -115,8 +115,8 @@ class UltraDuperBigBrainBatchSampler(Sampler[list[int]]):
     Epochs: an epoch ends when every index was yielded once. ``set_epoch(e)`` fixes the next
     epoch's number; otherwise each ``__iter__`` advances it by one. The batches of an epoch are
     a function of ``(seed, epoch)`` only (numpy ``Generator`` seeded with both): each
-    ``__iter__`` takes its own copy of the grouped index array (one C-level block copy,
-    about 1 ms at n = 1.8 M) and fresh counts. The number of batches varies between epochs, so
+    ``__iter__`` takes its own copy of the grouped index array (one C-level block copy) and
+    fresh counts. The number of batches varies between epochs, so
     there is no ``__len__``.
     """
 

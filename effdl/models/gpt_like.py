@@ -14,7 +14,7 @@ would double the attention cost and, without a causal memory mask, leak future t
 Packed rows (``doc_ids``) run through FlexAttention on CUDA: every layer's ``self_attn`` is a
 :class:`~effdl.ops.document_attention.DocumentMultiheadAttention`, an ``nn.MultiheadAttention``
 with the same parameters that also takes a document mask, built once per batch. Unpacked
-batches take PyTorch's own attention path exactly as before.
+batches take PyTorch's own attention path.
 """
 
 from __future__ import annotations
@@ -27,13 +27,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from effdl.ops.document_attention import (
-    BLOCK_SIZE,
-    DocumentBlocks,
-    DocumentMultiheadAttention,
-    document_mask,
-    select_backend,
-)
+from effdl.ops.document_attention import DocumentMultiheadAttention, document_mask, select_backend
+from effdl.ops.document_mask import BLOCK_SIZE, DocumentBlocks
 
 
 class PositionalEncoding(nn.Module):
@@ -84,11 +79,9 @@ class GPTLikeConfig:
     # Packed rows: "auto" = FlexAttention on CUDA (dense while training with dropout > 0),
     # dense elsewhere; "flex" / "dense" force one (see effdl.ops.document_attention).
     doc_attention: str = "auto"
-    # cuDNN's fused attention builds an execution plan for every new (batch, length) shape:
-    # ~60 ms per new shape on an H100 against ~5 ms for the forward itself (measured:
-    # reports/results/task2_session8/cudnn_new_shape_probe.log), so with variable-shape
-    # batches it is left out by default. Once planned it is ~10% faster than flash/efficient
-    # attention (same log): worth it for fixed shapes.
+    # cuDNN's fused attention builds an execution plan for every new (batch, length) shape,
+    # costlier than the forward itself, so with variable-shape batches it is left out by
+    # default; once planned it is faster than flash/efficient attention: use it for fixed shapes.
     cudnn_attention: bool = False
     # Right padding + causal attention needs no key-padding mask (see GPTLikeModel).
     mask_padding_keys: bool = False
@@ -111,7 +104,7 @@ class GPTLikeModel(nn.Module):
     collator pads that way), so under causal attention a real query at position t only sees
     keys 0..t, all real: masking the padding keys would change nothing at real positions. By
     default the mask is therefore not passed to attention, which keeps it on the flash kernel
-    (an explicit mask forces a masked kernel, ~20% slower per batch on an H100);
+    (an explicit mask forces a slower masked kernel);
     ``cfg.mask_padding_keys=True`` passes it (needed for left or interior padding). Logits at
     padded positions are computed but meaningless; :mod:`effdl.models.lm_objective` ignores
     them.
@@ -130,7 +123,7 @@ class GPTLikeModel(nn.Module):
             batch_first=True,
             norm_first=cfg.norm_first,
         )
-        # Same parameters and keys; the layers are deep copies of this one, as before.
+        # Same parameters and state_dict keys as the plain layer; the layers are deep copies.
         layer.self_attn = DocumentMultiheadAttention.like(layer.self_attn)
         self.decoder = nn.TransformerDecoder(layer, cfg.n_layers)
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()

@@ -99,9 +99,8 @@ class LMInputs:
 def lm_inputs(batch: Any) -> LMInputs:
     """Model inputs and labels of a padded :class:`~effdl.data.padding.Batch` or a packed batch.
 
-    Both bring their labels, made by the collate function in the DataLoader workers (making
-    them here, on the training loop's thread, cost ~4 ms per 40k-token batch with pinning:
-    reports/results/task2_session10/ultra_host_probe.log). A packed batch (anything with
+    Both bring their labels, made by the collate function in the DataLoader workers, so the
+    training loop's thread does not spend time on them. A packed batch (anything with
     ``doc_ids``, e.g. ``effdl.data.packing.PackedBatch``) also brings restarting position ids
     and, when the collate built them, its FlexAttention block lists.
     Call it on the CPU batch (the token counts then need no device sync), then ``.to(device)``.

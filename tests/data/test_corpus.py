@@ -1,5 +1,4 @@
 import re
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -109,12 +108,9 @@ def test_config_validation():
 
 
 @pytest.mark.slow
-def test_full_size_generation_is_fast_and_wikitext_sized():
-    start = time.perf_counter()
+def test_full_size_generation_is_wikitext_sized():
     lines = generate_wikitext_lines(SyntheticCorpusConfig())
-    elapsed = time.perf_counter() - start
     assert len(lines) == 1_801_350
     sample = non_empty(lines[::50])
     tokens_estimate = np.mean([len(s.split()) for s in sample]) * len(sample) * 50
     assert 80e6 < tokens_estimate < 125e6
-    assert elapsed < 60

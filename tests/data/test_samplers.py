@@ -177,11 +177,22 @@ def test_hash_map_holds_indices_by_length():
     assert {k: v.tolist() for k, v in s.buckets.items()} == {1: [1, 4], 2: [3], 3: [0, 2]}
 
 
-def test_init_on_wikitext_size_is_fast():
+def test_init_on_wikitext_size_costs_a_few_sorts():
+    # O(n): a 16-bit radix sort and a few passes. Timed against the sort itself, best of three
+    # each, so a loaded machine slows both sides alike.
     lengths = np.random.default_rng(3).integers(1, 641, 1_800_000)
-    start = time.perf_counter()
-    UltraDuperBigBrainBatchSampler(lengths, 64, 5)
-    assert time.perf_counter() - start < 1.0
+
+    def best_of_three(fn):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    sort_s = best_of_three(lambda: np.argsort(lengths.astype(np.uint16), kind="stable"))
+    init_s = best_of_three(lambda: UltraDuperBigBrainBatchSampler(lengths, 64, 5))
+    assert init_s < 5 * sort_s
 
 
 def test_dataloader_integration_pads_at_most_k():

@@ -1,11 +1,15 @@
 import math
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from effdl.data.labels import IGNORE_INDEX
+from effdl.data.packing import collate_packed, pack_row
+from effdl.data.padding import pad_batch
 from effdl.models.lm_objective import (
-    IGNORE_INDEX,
     LMAccuracy,
     LMCrossEntropyLoss,
     lm_cross_entropy,
@@ -81,36 +85,39 @@ def test_no_targets_gives_nan():
 
 
 def test_lm_inputs_of_a_padded_batch():
-    import numpy as np
-
-    from effdl.data.padding import pad_batch
-
     batch = pad_batch([np.array([3, 4, 5], np.int32), np.array([6], np.int32)])
     inputs = lm_inputs(batch)
     assert (inputs.n_real_tokens, inputs.n_slots) == (4, 6)
     assert inputs.padding_fraction == pytest.approx(2 / 6)
     assert inputs.labels.tolist() == [[4, 5, -100], [-100, -100, -100]]
-    assert set(inputs.model_kwargs) == {"input_ids", "padding_mask"}
+    assert list(inputs.model_kwargs) == ["input_ids", "padding_mask"]
+    assert inputs.model_kwargs["input_ids"] is batch.input_ids
+    assert inputs.model_kwargs["padding_mask"] is batch.padding_mask
     moved = inputs.to("cpu")
     assert torch.equal(moved.labels, inputs.labels)
-    assert inputs.to("meta", labels=False).labels is inputs.labels
+    on_meta = inputs.to("meta", labels=False)
+    assert on_meta.labels is inputs.labels
+    assert all(t.device.type == "meta" for t in on_meta.model_kwargs.values())
 
 
 @pytest.mark.gpu
 def test_lm_inputs_of_a_pinned_batch_has_pinned_labels():
     # Pageable labels would make .to(cuda, non_blocking=True) wait for the GPU's queue.
-    import numpy as np
-
-    from effdl.data.padding import pad_batch
-
     batch = pad_batch([np.array([3, 4, 5], np.int32), np.array([6], np.int32)])
     assert not lm_inputs(batch).labels.is_pinned()
     assert lm_inputs(batch.pin_memory()).labels.is_pinned()
 
 
-def test_lm_inputs_of_a_packed_batch_uses_its_labels():
-    from types import SimpleNamespace
+def test_lm_inputs_pass_a_packed_batch_s_block_lists():
+    rows = [pack_row([np.arange(1, 6), np.arange(1, 3)], 8, pad_id=0)]
+    batch = collate_packed(rows, attention_block_size=4)
+    inputs = lm_inputs(batch)
+    assert inputs.model_kwargs["doc_blocks"] is batch.blocks
+    assert (inputs.n_real_tokens, inputs.n_slots) == (7, 8)
+    assert torch.equal(inputs.to("cpu").model_kwargs["doc_blocks"].data, batch.blocks.data)
 
+
+def test_lm_inputs_of_a_packed_batch_uses_its_labels():
     ids = torch.tensor([[1, 2, 3, 0]])
     packed = SimpleNamespace(
         input_ids=ids,
@@ -121,7 +128,8 @@ def test_lm_inputs_of_a_packed_batch_uses_its_labels():
     )
     inputs = lm_inputs(packed)
     assert inputs.labels is packed.labels
-    assert set(inputs.model_kwargs) == {"input_ids", "position_ids", "doc_ids"}
+    assert list(inputs.model_kwargs) == ["input_ids", "position_ids", "doc_ids"]
+    assert all(inputs.model_kwargs[k] is getattr(packed, k) for k in inputs.model_kwargs)
     assert (inputs.n_real_tokens, inputs.n_slots) == (3, 4)
     logits = torch.randn(1, 4, 5)
     torch.testing.assert_close(
