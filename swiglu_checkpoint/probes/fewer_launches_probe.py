@@ -16,22 +16,27 @@ all level 0 with every gradient wanted:
 Variants are alive together and take turns in rounds of chunks of back-to-back steps (as
 swiglu_checkpoint/benchmark.py); median step time per chunk; peak memory of one step each. Then
 GEMM-only timings at the large configs: two mm against one bmm over the (2, H, I) weights.
+Needs CUDA. Writes ``--out/fewer_launches.jsonl``, told apart by ``config.kind``: ``check``
+(each prototype's max error against the reference), ``step`` (per config and variant: step ms
+median and quartiles over the chunks, peak MiB, both over the reference's) and ``gemm``.
 """
 
+from __future__ import annotations
+
+import argparse
 import math
 import statistics as st
-import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-sys.path.insert(0, ".")
 from torch.cuda.jiterator import _create_jit_fn, _create_multi_output_jit_fn
 
 from effdl.models.swiglu import MLPStack, SwigluMLP
 from effdl.ops.swiglu import MemoryOptimizedSwigluMLP
+from effdl.results import RunLog
 
 dev = torch.device("cuda")
 GATE = _create_jit_fn(
@@ -176,51 +181,52 @@ def gemm_cases(x2, wv, dab):
 VARIANTS = ["reference", "lib", "jit", "jit_bmm", "torch_bmm2", "sel_bmm2"]
 CONFIGS = [(16, 128, 512, 2048, 2), (32, 128, 512, 2048, 2), (8, 512, 1024, 4096, 3)]
 ROUNDS = 15
+GEMM_SHAPES = [(2048, 512, 2048), (4096, 1024, 4096), (4096, 4096, 16384), (8192, 4096, 16384)]
+GEMM_REPS = 30
 
-print(torch.cuda.get_device_name(), torch.__version__)
-dtype = torch.bfloat16
-SEL[dtype] = torch.tensor([0.0, 1.0], device=dev, dtype=dtype).view(2, 1, 1)
 
-# correctness of every prototype against the reference (fp32, one layer)
-for variant in VARIANTS[1:]:
-    torch.manual_seed(0)
-    ref = SwigluMLP(64, 160, device=dev, dtype=torch.float32)
-    proto = ProtoMLP(64, 160, variant, torch.float32) if variant != "lib" else None
-    if proto is None:
-        continue
-    SEL[torch.float32] = torch.tensor([0.0, 1.0], device=dev).view(2, 1, 1)
-    with torch.no_grad():
-        proto.W.copy_(ref.W.weight.t())
-        proto.V.copy_(ref.V.weight.t())
-        proto.U.copy_(ref.U.weight.t())
-    x = torch.randn(3, 7, 64, device=dev, requires_grad=True)
-    y_ref = ref(x)
-    gy = torch.randn_like(y_ref)
-    (gx_ref,) = torch.autograd.grad(y_ref, x, gy, retain_graph=True)
-    y = proto(x)
-    y.backward(gy)
-    err = max(
-        (y - y_ref).abs().max().item(),
-        (x.grad - gx_ref).abs().max().item(),
-    )
-    ref.zero_grad()
-    y_ref.backward(gy)
-    err = max(
-        err,
-        (proto.W.grad - ref.W.weight.grad.t()).abs().max().item(),
-        (proto.V.grad - ref.V.weight.grad.t()).abs().max().item(),
-        (proto.U.grad - ref.U.weight.grad.t()).abs().max().item(),
-    )
-    print(
-        f"check {variant:10s} max abs err vs reference (fp32): {err:.2e}; "
-        f"W.grad shares storage with V.grad: "
-        f"{proto.W.grad.untyped_storage().data_ptr() == proto.V.grad.untyped_storage().data_ptr()}"
-    )
+def check_prototypes(log: RunLog) -> None:
+    """Each prototype against the reference module in fp32 (one layer): max abs error of the
+    output and every gradient, and whether dW and dV share one storage."""
+    for variant in VARIANTS[2:]:
+        torch.manual_seed(0)
+        ref = SwigluMLP(64, 160, device=dev, dtype=torch.float32)
+        proto = ProtoMLP(64, 160, variant, torch.float32)
+        SEL[torch.float32] = torch.tensor([0.0, 1.0], device=dev).view(2, 1, 1)
+        with torch.no_grad():
+            proto.W.copy_(ref.W.weight.t())
+            proto.V.copy_(ref.V.weight.t())
+            proto.U.copy_(ref.U.weight.t())
+        x = torch.randn(3, 7, 64, device=dev, requires_grad=True)
+        y_ref = ref(x)
+        gy = torch.randn_like(y_ref)
+        (gx_ref,) = torch.autograd.grad(y_ref, x, gy, retain_graph=True)
+        y = proto(x)
+        y.backward(gy)
+        err = max((y - y_ref).abs().max().item(), (x.grad - gx_ref).abs().max().item())
+        ref.zero_grad()
+        y_ref.backward(gy)
+        err = max(
+            err,
+            (proto.W.grad - ref.W.weight.grad.t()).abs().max().item(),
+            (proto.V.grad - ref.V.weight.grad.t()).abs().max().item(),
+            (proto.U.grad - ref.U.weight.grad.t()).abs().max().item(),
+        )
+        shared = (
+            proto.W.grad.untyped_storage().data_ptr() == proto.V.grad.untyped_storage().data_ptr()
+        )
+        config = {"kind": "check", "dtype": "fp32", "hidden_dim": 64, "intermediate_size": 160}
+        log.log(
+            variant,
+            {**config, "num_layers": 1},
+            {"max_abs_err_vs_reference": err, "w_grad_shares_storage_with_v_grad": shared},
+        )
+        print(f"check {variant:10s} max abs err vs reference (fp32): {err:.2e}; shared: {shared}")
 
-summary = []
-for cfg in CONFIGS:
+
+def time_config(log: RunLog, cfg: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Every variant alive at once, interleaved rounds of chunks; peak memory of one step each."""
     b, s, h, i, layers = cfg
-    label = f"{b}x{s} h{h} i{i} L{layers} bf16"
     alive = {v: build(v, *cfg, dtype) for v in VARIANTS}
     peaks, per_step = {}, {}
     for v, (m, x, dy) in alive.items():
@@ -237,7 +243,7 @@ for cfg in CONFIGS:
         per_step[v] = (time.perf_counter() - t0) / 20
     n = {v: max(5, math.ceil(2.5 / per_step[v] / ROUNDS)) for v in VARIANTS}
     times = {v: [] for v in VARIANTS}
-    for rnd in range(-1, ROUNDS):
+    for rnd in range(-1, ROUNDS):  # round -1 is a warm-up
         shift = max(rnd, 0) % len(VARIANTS)
         for v in VARIANTS[shift:] + VARIANTS[:shift]:
             m, x, dy = alive[v]
@@ -248,59 +254,95 @@ for cfg in CONFIGS:
             if rnd >= 0:
                 times[v].append((time.perf_counter() - t0) / n[v])
     ref_t = st.median(times["reference"])
-    print(f"\n=== {label}")
+    config = {
+        "kind": "step",
+        "batch_size": b,
+        "seq_len": s,
+        "hidden_dim": h,
+        "intermediate_size": i,
+        "num_layers": layers,
+        "dtype": "bf16" if dtype == torch.bfloat16 else "fp32",
+        "rounds": ROUNDS,
+    }
+    print(f"\n=== {b}x{s} h{h} i{i} L{layers} {config['dtype']}")
     for v in VARIANTS:
         med = st.median(times[v])
         q = sorted(times[v])
-        print(
-            f"{v:11s} step {med * 1e3:7.3f} ms  (q25 {q[len(q) // 4] * 1e3:.3f}, "
-            f"q75 {q[3 * len(q) // 4] * 1e3:.3f})  /ref {med / ref_t:.3f}  "
-            f"peak {peaks[v]:8.1f} MiB  /ref {peaks[v] / peaks['reference']:.3f}"
-        )
-        summary.append((label, v, med / ref_t, peaks[v] / peaks["reference"]))
+        metrics = {
+            "step_ms_median": med * 1e3,
+            "step_ms_q25": q[len(q) // 4] * 1e3,
+            "step_ms_q75": q[3 * len(q) // 4] * 1e3,
+            "step_over_reference": med / ref_t,
+            "peak_mib": peaks[v],
+            "peak_over_reference": peaks[v] / peaks["reference"],
+        }
+        log.log(v, config, metrics)
+        print(f"{v:11s} " + "  ".join(f"{k} {x:.3f}" for k, x in metrics.items()))
     del alive
     torch.cuda.empty_cache()
 
-print("\n=== GEMMs only: two mm against one bmm over stacked (2, H, I) weights, ms (median of 30)")
-for dt, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-    for n_tok, h, i in (
-        (2048, 512, 2048),
-        (4096, 1024, 4096),
-        (4096, 4096, 16384),
-        (8192, 4096, 16384),
-    ):
-        if dt == torch.float32 and n_tok * h * i > 4096 * 4096 * 16384:
-            continue
-        x2 = torch.randn(n_tok, h, device=dev, dtype=dt)
-        wv = torch.randn(2, h, i, device=dev, dtype=dt) / math.sqrt(h)
-        dab = torch.randn(2, n_tok, i, device=dev, dtype=dt)
-        cases = gemm_cases(x2, wv, dab)
-        ok = (
-            (torch.bmm(x2.unsqueeze(0).expand(2, n_tok, h), wv)[1] - torch.mm(x2, wv[1]))
-            .abs()
-            .max()
-            .item()
-        )
-        res = {}
-        for k, f in cases.items():
-            for _ in range(5):
-                f()
-            ts = []
-            for _ in range(30):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                f()
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1))
-            res[k] = st.median(ts)
-        print(
-            f"{tag} N{n_tok} H{h} I{i}: "
-            + "  ".join(f"{k} {v:.3f}" for k, v in res.items())
-            + f"  bmm/mm fwd {res['fwd bmm'] / res['fwd 2 mm']:.3f}"
-            f" bwd {res['dW,dV bmm'] / res['dW,dV 2 mm']:.3f}  (bmm-mm max diff {ok:.1e})"
-        )
 
-print("\n=== summary: step time / reference, peak / reference")
-for label, v, t, mem in summary:
-    print(f"{label:28s} {v:11s} {t:6.3f} {mem:6.3f}")
+def time_gemms(log: RunLog) -> None:
+    """The input GEMMs alone: two mm against one bmm over stacked (2, H, I) weights, ms (median
+    of GEMM_REPS CUDA-event timings)."""
+    for dt, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        for n_tok, h, i in GEMM_SHAPES:
+            if dt == torch.float32 and n_tok * h * i > 4096 * 4096 * 16384:
+                continue
+            x2 = torch.randn(n_tok, h, device=dev, dtype=dt)
+            wv = torch.randn(2, h, i, device=dev, dtype=dt) / math.sqrt(h)
+            dab = torch.randn(2, n_tok, i, device=dev, dtype=dt)
+            expanded = torch.bmm(x2.unsqueeze(0).expand(2, n_tok, h), wv)[1]
+            diff = (expanded - torch.mm(x2, wv[1])).abs().max().item()
+            res = {}
+            for k, f in gemm_cases(x2, wv, dab).items():
+                for _ in range(5):
+                    f()
+                ts = []
+                for _ in range(GEMM_REPS):
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    f()
+                    e1.record()
+                    e1.synchronize()
+                    ts.append(e0.elapsed_time(e1))
+                res[k] = st.median(ts)
+            config = {
+                "kind": "gemm",
+                "dtype": tag,
+                "tokens": n_tok,
+                "hidden_dim": h,
+                "intermediate_size": i,
+                "reps": GEMM_REPS,
+            }
+            metrics = {
+                "fwd_2mm_ms": res["fwd 2 mm"],
+                "fwd_bmm_ms": res["fwd bmm"],
+                "dw_dv_2mm_ms": res["dW,dV 2 mm"],
+                "dw_dv_bmm_ms": res["dW,dV bmm"],
+                "bmm_over_mm_fwd": res["fwd bmm"] / res["fwd 2 mm"],
+                "bmm_over_mm_bwd": res["dW,dV bmm"] / res["dW,dV 2 mm"],
+                "bmm_mm_max_diff": diff,
+            }
+            log.log("gemms", config, metrics)
+            print(
+                f"{tag} N{n_tok} H{h} I{i}: "
+                + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+            )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("runs/swiglu/probes"), help="log folder")
+    args = p.parse_args()
+    log = RunLog(args.out / "fewer_launches.jsonl", task="swiglu", create=True)
+    SEL[torch.bfloat16] = torch.tensor([0.0, 1.0], device=dev, dtype=torch.bfloat16).view(2, 1, 1)
+    check_prototypes(log)
+    for cfg in CONFIGS:
+        time_config(log, cfg, torch.bfloat16)
+    time_gemms(log)
+
+
+if __name__ == "__main__":
+    main()

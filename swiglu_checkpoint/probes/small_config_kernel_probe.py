@@ -1,37 +1,45 @@
-"""Where do level 0 and the reference module spend a step at the small bf16 configs? (probe, H100)
+"""Where do level 0 and the reference module spend a step at the small bf16 configs? (probe)
 
-For each config: GPU kernel time per step (torch.profiler, kernels summed, grouped by name) and
-wall time per step of back-to-back steps (10 interleaved rounds), for the reference module,
-level 0 on the PyTorch path and level 0 on the Triton path.
+For each config: wall time per step of back-to-back steps (10 interleaved rounds of 100 steps)
+and GPU kernel time per step (torch.profiler over 20 steps, kernels summed and grouped by name),
+for the reference module, level 0 on the PyTorch path and level 0 on the Triton path. Needs
+CUDA. Writes ``--out/small_config_kernels.jsonl``: per config and variant the median and minimum
+wall ms per step, kernel ms per step, the GPU's busy share (kernel / wall), the wall time over the
+reference's, and the eight longest kernels (microseconds per step, by name).
 """
 
+from __future__ import annotations
+
+import argparse
 import os
 import statistics as st
-import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, ".")
 from effdl.models.swiglu import MLPStack, SwigluMLP
 from effdl.ops.swiglu import ELEMENTWISE_ENV, MemoryOptimizedSwigluMLP
+from effdl.results import RunLog
 
-dev = torch.device("cuda")
-dt = torch.bfloat16
+CONFIGS = ((16, 128, 512, 2048, 2), (32, 128, 512, 2048, 2), (8, 512, 1024, 4096, 3))
+KINDS = ("reference", "level0_torch", "level0_triton")
+WARMUP_STEPS, ROUNDS, STEPS_PER_ROUND, PROFILED_STEPS, TOP_KERNELS = 50, 10, 100, 20, 8
+DTYPE = torch.bfloat16
 
 
-def build(kind, h, i, n):
+def build(kind: str, h: int, i: int, n: int, dev: torch.device) -> MLPStack:
     torch.manual_seed(0)
     if kind == "reference":
-        layers = [SwigluMLP(h, i, device=dev, dtype=dt) for _ in range(n)]
+        layers = [SwigluMLP(h, i, device=dev, dtype=DTYPE) for _ in range(n)]
     else:
-        layers = [MemoryOptimizedSwigluMLP(h, i, 0, device=dev, dtype=dt) for _ in range(n)]
+        layers = [MemoryOptimizedSwigluMLP(h, i, 0, device=dev, dtype=DTYPE) for _ in range(n)]
     return MLPStack(layers, residual=True)
 
 
-def steps(kind, m, x, dy, n):
+def steps(kind: str, m: MLPStack, x: torch.Tensor, dy: torch.Tensor, n: int) -> None:
     os.environ[ELEMENTWISE_ENV] = "triton" if kind == "level0_triton" else "torch"
     for _ in range(n):
         m.zero_grad(set_to_none=True)
@@ -39,36 +47,70 @@ def steps(kind, m, x, dy, n):
         m(x).backward(dy)
 
 
-KINDS = ("reference", "level0_torch", "level0_triton")
-for bs, seq, h, i, n in ((16, 128, 512, 2048, 2), (32, 128, 512, 2048, 2), (8, 512, 1024, 4096, 3)):
-    x = torch.randn(bs, seq, h, device=dev, dtype=dt, requires_grad=True)
+def kernel_us_per_step(kind: str, m: MLPStack, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """Microseconds per step of each CUDA kernel (names cut to 60 characters), longest first."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps(kind, m, x, dy, PROFILED_STEPS)
+        torch.cuda.synchronize()
+    per_name: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name[:60]] += e.device_time / PROFILED_STEPS
+    return dict(sorted(per_name.items(), key=lambda kv: -kv[1]))
+
+
+def probe_config(log: RunLog, cfg: tuple[int, ...], dev: torch.device) -> None:
+    bs, seq, h, i, n = cfg
+    x = torch.randn(bs, seq, h, device=dev, dtype=DTYPE, requires_grad=True)
     dy = torch.randn_like(x)
-    models = {k: build(k.split("_")[0], h, i, n) for k in KINDS}
+    models = {k: build(k.split("_")[0], h, i, n, dev) for k in KINDS}
     for k, m in models.items():
-        steps(k, m, x, dy, 50)
+        steps(k, m, x, dy, WARMUP_STEPS)
     torch.cuda.synchronize()
     wall = defaultdict(list)
-    for r in range(10):
+    for r in range(ROUNDS):
         for k in KINDS[r % 3 :] + KINDS[: r % 3]:
             t0 = time.perf_counter()
-            steps(k, models[k], x, dy, 100)
+            steps(k, models[k], x, dy, STEPS_PER_ROUND)
             torch.cuda.synchronize()
-            wall[k].append((time.perf_counter() - t0) / 100 * 1e3)
-    print(f"\n=== {bs}x{seq} h{h} i{i} L{n} bf16, {torch.cuda.get_device_name()}")
-    for k in KINDS:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            steps(k, models[k], x, dy, 20)
-            torch.cuda.synchronize()
-        per_name = defaultdict(float)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per_name[e.name[:60]] += e.device_time / 20 / 1e3
-        gpu = sum(per_name.values())
-        w = st.median(wall[k])
-        print(
-            f"{k:14s} wall/step {w:.3f} ms (min {min(wall[k]):.3f})  GPU kernels {gpu:.3f} ms  busy {gpu / w:.2f}"
-        )
-        for name, t in sorted(per_name.items(), key=lambda kv: -kv[1])[:8]:
-            print(f"      {t * 1e3:8.1f} us  {name}")
+            wall[k].append((time.perf_counter() - t0) / STEPS_PER_ROUND * 1e3)
+    config = {
+        "batch_size": bs,
+        "seq_len": seq,
+        "hidden_dim": h,
+        "intermediate_size": i,
+        "num_layers": n,
+        "dtype": "bf16",
+        "rounds": ROUNDS,
+        "steps_per_round": STEPS_PER_ROUND,
+        "profiled_steps": PROFILED_STEPS,
+    }
     ref = st.median(wall["reference"])
-    print("wall ratios vs reference:", {k: round(st.median(wall[k]) / ref, 3) for k in KINDS})
+    print(f"\n=== {bs}x{seq} h{h} i{i} L{n} bf16, {log.env['gpu']}")
+    for k in KINDS:
+        kernels = kernel_us_per_step(k, models[k], x, dy)
+        gpu_ms = sum(kernels.values()) / 1e3
+        w = st.median(wall[k])
+        metrics = {
+            "wall_ms_per_step_median": w,
+            "wall_ms_per_step_min": min(wall[k]),
+            "gpu_kernel_ms_per_step": gpu_ms,
+            "gpu_busy": gpu_ms / w,
+            "top_kernels_us": dict(list(kernels.items())[:TOP_KERNELS]),
+            "wall_over_reference": w / ref,
+        }
+        log.log(k, config, metrics)
+        print(f"{k:14s} wall/step {w:.3f} ms  GPU kernels {gpu_ms:.3f} ms  busy {gpu_ms / w:.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("runs/swiglu/probes"), help="log folder")
+    args = p.parse_args()
+    log = RunLog(args.out / "small_config_kernels.jsonl", task="swiglu", create=True)
+    for cfg in CONFIGS:
+        probe_config(log, cfg, torch.device("cuda"))
+
+
+if __name__ == "__main__":
+    main()
