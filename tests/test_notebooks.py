@@ -1,11 +1,12 @@
 import json
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from effdl.notebooks import REPORTS, execute_notebook, main
-from effdl.results import append_record, make_record
+from effdl.results import append_record, make_record, read_records
 
 ENV = {
     "gpu": "Test GPU",
@@ -84,3 +85,15 @@ def test_committed_notebooks_are_executed():
         assert code and all(c.get("execution_count") for c in code), (
             f"{nb_path.name} is not executed"
         )
+
+
+def test_committed_results_are_run_logs_named_by_what_they_measure():
+    files = sorted(p for p in (REPORTS / "results").rglob("*") if p.is_file())
+    assert files
+    for path in files:
+        name = str(path.relative_to(REPORTS / "results"))
+        assert path.suffix == ".jsonl", f"{name}: results hold only JSONL run logs"
+        assert not re.search(r"session|stop[0-9_]|round[0-9_]|_[0-9a-f]{7}\b", name, re.I), (
+            f"{name}: named after when it was made"
+        )
+        assert read_records(path), f"{name}: no records"
