@@ -28,13 +28,10 @@ fp32 parameters. Casts are not cached under ``torch.no_grad()`` (such a copy car
 must not be reused by a later differentiable forward in the same region).
 
 Python's cyclic garbage collector is paused inside the outermost region (``pause_gc=True``, the
-default) and restored on exit; reference counting still frees all acyclic garbage at once. The
-casts here are Python-level calls, so every cast activation gets a Python tensor object that lives
-until backward, and those objects set off collections in the middle of the forward, each one a
-stall in queuing kernels (GPU time of a 32 x 256 LM gradient step on an H100: 18.5 ms with the
-collector on, 16.5 ms off; torch.autocast, which casts in C++, 18.0 ms either way:
-reports/results/task1/probes/autocast_overhead_probe.log). Cyclic garbage made inside a long
-region waits until it exits.
+default) and restored on exit: the casts here are Python-level calls, so every cast activation
+gets a Python tensor object, and the collections those objects set off mid-forward stall the
+queuing of kernels (measured in the task-1 report). Reference counting still frees acyclic garbage
+at once; cyclic garbage made inside a long region waits until it exits.
 
 Scope: Python functions the mode does not know (e.g. a ``torch.nn.functional`` helper not in the
 tables) are opaque to it: their inner ops run in the dtypes they are given. Only out-of-place ops

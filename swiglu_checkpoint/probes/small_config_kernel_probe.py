@@ -11,7 +11,6 @@ reference's, and the eight longest kernels (microseconds per step, by name).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics as st
 import time
 from collections import defaultdict
@@ -21,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from effdl.models.swiglu import MLPStack, SwigluMLP
-from effdl.ops.swiglu import ELEMENTWISE_ENV, MemoryOptimizedSwigluMLP
+from effdl.ops.swiglu import MemoryOptimizedSwigluMLP
 from effdl.results import RunLog
 
 CONFIGS = ((16, 128, 512, 2048, 2), (32, 128, 512, 2048, 2), (8, 512, 1024, 4096, 3))
@@ -35,12 +34,13 @@ def build(kind: str, h: int, i: int, n: int, dev: torch.device) -> MLPStack:
     if kind == "reference":
         layers = [SwigluMLP(h, i, device=dev, dtype=DTYPE) for _ in range(n)]
     else:
-        layers = [MemoryOptimizedSwigluMLP(h, i, 0, device=dev, dtype=DTYPE) for _ in range(n)]
+        backend = kind.removeprefix("level0_")
+        layers = [MemoryOptimizedSwigluMLP(h, i, 0, device=dev, dtype=DTYPE, elementwise=backend)
+                  for _ in range(n)]  # fmt: skip
     return MLPStack(layers, residual=True)
 
 
 def steps(kind: str, m: MLPStack, x: torch.Tensor, dy: torch.Tensor, n: int) -> None:
-    os.environ[ELEMENTWISE_ENV] = "triton" if kind == "level0_triton" else "torch"
     for _ in range(n):
         m.zero_grad(set_to_none=True)
         x.grad = None
@@ -63,7 +63,7 @@ def probe_config(log: RunLog, cfg: tuple[int, ...], dev: torch.device) -> None:
     bs, seq, h, i, n = cfg
     x = torch.randn(bs, seq, h, device=dev, dtype=DTYPE, requires_grad=True)
     dy = torch.randn_like(x)
-    models = {k: build(k.split("_")[0], h, i, n, dev) for k in KINDS}
+    models = {k: build(k, h, i, n, dev) for k in KINDS}
     for k, m in models.items():
         steps(k, m, x, dy, WARMUP_STEPS)
     torch.cuda.synchronize()
