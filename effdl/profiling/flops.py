@@ -7,9 +7,14 @@ hand with :func:`measure_matmul_tflops` (a large dense GEMM) and :func:`measure_
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from effdl.profiling.timing import TimingStats, benchmark
+
+MATMUL_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm"})
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -56,3 +61,26 @@ def measure_copy_bandwidth(
     dst = torch.empty_like(src)
     stats = benchmark(lambda: dst.copy_(src), warmup=warmup, iters=iters, device=dev)
     return 2 * nbytes / stats.median / 1e9, stats
+
+
+class MatmulCounter(TorchDispatchMode):
+    """Counts the aten matmuls that execute inside the region, by op name.
+
+    It sits below autograd, so it sees what runs, not what is dispatched: a GEMM that
+    ``torch.utils.checkpoint``'s early stop aborts before its kernel starts is not counted (the
+    profiler's op events do list it).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in MATMUL_OPS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))

@@ -16,14 +16,13 @@ import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from effdl.cli import base_parser, print_table, run_main, start_run
 from effdl.models.swiglu import Checkpointed, MLPStack, SwigluMLP
 from effdl.ops.swiglu import CheckpointLevel, MemoryOptimizedSwigluMLP
+from effdl.profiling.flops import MatmulCounter
 
 GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass|sm\d+_.*_tn|ampere_|hopper_", re.IGNORECASE)
-ATEN_GEMMS = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
 LEVELS = {"level0": 0, "level1": 1, "level2": 2}
 
 
@@ -39,28 +38,14 @@ def build(variant: str, layers: int, hidden: int, inter: int, device, dtype) -> 
     return MLPStack(mods, residual=True)
 
 
-class ExecutedMatmuls(TorchDispatchMode):
-    """Records the aten matmul ops that run (the dispatch level below autograd)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in ATEN_GEMMS:
-            self.names.append(f"aten::{name}")
-        return func(*args, **(kwargs or {}))
-
-
 def count_gemms(model, x, dy, cuda: bool) -> tuple[int, list[str]]:
     """GEMM kernels (CUDA) or executed aten matmuls (CPU) in one forward + backward."""
     for _ in range(2):  # warm-up: GEMM heuristics, lazy init
         model(x).backward(dy)
     if not cuda:
-        with ExecutedMatmuls() as mode:
+        with MatmulCounter() as counter:
             model(x).backward(dy)
-        return len(mode.names), sorted(set(mode.names))
+        return counter.total, sorted(f"aten::{name}" for name in counter.counts)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         model(x).backward(dy)

@@ -57,3 +57,32 @@ def test_measure_copy_bandwidth_real_clock_is_consistent():
     gbs, stats = measure_copy_bandwidth(1 << 16, "cpu", warmup=1, iters=5)
     assert stats.n == 5 and 0 < stats.min <= stats.median <= stats.max
     assert gbs == pytest.approx(2 * (1 << 16) / stats.median / 1e9)
+
+
+def _swiglu_benchmark():
+    """The SwiGLU benchmark script as a module (its GEMM table and stack builder)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "swiglu_checkpoint" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("swiglu_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("variant", ["reference", "checkpoint", "level0", "level1", "level2"])
+def test_swiglu_benchmark_gemm_table_equals_the_matmuls_that_run(variant):
+    from effdl.profiling.flops import MatmulCounter
+
+    bench = _swiglu_benchmark()
+    layers = 3
+    shape = bench.Shape(2, 8, 16, 48, layers)
+    torch.manual_seed(0)
+    model = bench.build_stack(variant, shape, torch.float64, torch.device("cpu"), residual=True)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
+    with MatmulCounter() as counter:
+        model(x).backward(torch.randn_like(x))
+    assert counter.total == bench.GEMMS[variant] * layers
