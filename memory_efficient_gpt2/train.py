@@ -4,7 +4,7 @@ bf16 working weights on the GPU, fp32 master weights and Adam moments on the CPU
 (effdl.optim.CPUOffloadAdam), 64 x 1024 tokens per step.
 
     python memory_efficient_gpt2/train.py --quick                           # CPU smoke run, tiny GPT-2
-    python memory_efficient_gpt2/train.py --device cuda --baseline          # HF fp16 autocast fwd+bwd
+    python memory_efficient_gpt2/train.py --device cuda --baseline          # fwd+bwd: HF, and ours
     python memory_efficient_gpt2/train.py --device cuda --steps 8           # training corpus
     python memory_efficient_gpt2/train.py --device cuda --fixed-batch --steps 30
 
@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,7 @@ TABLE_COLUMNS = ("step", "loss", "seq_per_s", "peak_gib", "host_rss_gib", "gpu_c
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Settings of one run: the offloaded training (default) or the HF baseline (``baseline``)."""
+    """Settings of one run: the offloaded training (default) or the baselines (``baseline``)."""
 
     baseline: bool = False
     fixed_batch: bool = False
@@ -141,7 +142,11 @@ def parse_args() -> tuple[argparse.Namespace, TrainConfig]:
     """The command line: the common flags, then the config's; returns (args, config)."""
     p = base_parser(__doc__.splitlines()[0], default_out="runs/gpt2")
     flags = ConfigFlags(p, FULL, QUICK)
-    flags.add("baseline", action="store_true", help="HF fp16-autocast fwd+bwd speed only")
+    flags.add(
+        "baseline",
+        action="store_true",
+        help="fwd+bwd speed only: HF's model (fp32, fp16 autocast) and ours (bf16), no offload",
+    )
     flags.add("fixed_batch", action="store_true", help="train on one fixed batch")
     flags.add("steps", type=int, help="optimizer steps")
     flags.add("batch", type=int, help="sequences per optimizer step")
@@ -185,18 +190,17 @@ BASELINE_COLUMNS = ("micro_batch", "seq_per_s", "peak_gib")
 
 def time_fwd_bwd(
     model: torch.nn.Module,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
     cfg: TrainConfig,
     micro_batch: int,
     device: torch.device,
-    amp_dtype: torch.dtype,
 ) -> dict | None:
-    """Metrics of one micro-batch's fwd+bwd under autocast; None when it runs out of memory."""
+    """Metrics of one micro-batch's fwd+bwd (``loss_of(ids)`` then backward); None when it runs
+    out of memory."""
     ids = torch.randint(0, model.config.vocab_size, (micro_batch, cfg.seq), device=device)
 
     def fwd_bwd() -> None:
-        with torch.autocast(device.type, dtype=amp_dtype):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
+        loss_of(ids).backward()
 
     try:
         if device.type == "cuda":
@@ -221,25 +225,55 @@ def time_fwd_bwd(
     }
 
 
-def run_baseline(cfg: TrainConfig, device: torch.device, log: RunLog) -> list[dict]:
-    """Plain HF GPT2LMHeadModel (fp32 weights, gelu_new), fp16 autocast, forward+backward."""
-    model = build_gpt2(gpt2_config(cfg.size, fast_gelu=False), cfg.model_path, fast_gelu=False)
-    model.to(device).train()
+def hf_loss(model: torch.nn.Module, ids: torch.Tensor, amp_dtype: torch.dtype) -> torch.Tensor:
+    """Hugging Face's own loss (full logits) under autocast."""
+    with torch.autocast(ids.device.type, dtype=amp_dtype):
+        return model(ids, labels=ids).loss
+
+
+def baseline_models(cfg: TrainConfig, device: torch.device):
+    """(variant, model, loss_of, amp, weights) of each baseline: Hugging Face's model as shipped
+    (fp32 weights, gelu_new) under fp16 autocast, and ours as the offloaded run computes (bf16
+    weights, tanh GELU, the chunked loss) without the offload, the cap or checkpointing."""
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    hf = build_gpt2(gpt2_config(cfg.size, fast_gelu=False), cfg.model_path, fast_gelu=False)
+    hf.to(device).train()
+    yield (
+        "baseline",
+        hf,
+        functools.partial(hf_loss, hf, amp_dtype=amp_dtype),
+        str(amp_dtype),
+        "fp32",
+    )
+    del hf
+    own = build_gpt2(gpt2_config(cfg.size), cfg.model_path).to(device, torch.bfloat16).train()
+    own_loss = functools.partial(lm_loss, own, chunk_tokens=cfg.chunk_tokens)
+    yield "baseline_own", own, own_loss, "none", "bf16"
+
+
+def run_baseline(cfg: TrainConfig, device: torch.device, log: RunLog) -> list[dict]:
+    """Forward+backward speed of each baseline model at every micro-batch size, and the best."""
     rows = []
-    for mb in cfg.baseline_micro_batches:
-        metrics = time_fwd_bwd(model, cfg, mb, device, amp_dtype)
-        if metrics is None:
-            rows.append({"micro_batch": mb, "seq_per_s": float("nan"), "note": "OOM"})
-            continue
-        config = {"size": cfg.size, "seq": cfg.seq, "micro_batch": mb, "amp": str(amp_dtype)}
-        log.log("baseline", config, metrics)
-        rows.append({k: metrics[k] for k in BASELINE_COLUMNS})
-    ok = [r for r in rows if not math.isnan(r["seq_per_s"])]
-    if not ok:
-        raise RuntimeError("baseline: every micro-batch size ran out of memory")
-    best = max(ok, key=lambda r: r["seq_per_s"])
-    log.log("baseline_best", {"size": cfg.size, "seq": cfg.seq}, best)
+    for variant, model, loss_of, amp, weights in baseline_models(cfg, device):
+        found = []
+        for mb in cfg.baseline_micro_batches:
+            metrics = time_fwd_bwd(model, loss_of, cfg, mb, device)
+            if metrics is None:
+                found.append({"micro_batch": mb, "seq_per_s": float("nan"), "note": "OOM"})
+                continue
+            config = {"size": cfg.size, "seq": cfg.seq, "micro_batch": mb, "amp": amp,
+                      "weights": weights}  # fmt: skip
+            log.log(variant, config, metrics)
+            found.append({k: metrics[k] for k in BASELINE_COLUMNS})
+        ok = [r for r in found if not math.isnan(r["seq_per_s"])]
+        if not ok:
+            raise RuntimeError(f"{variant}: every micro-batch size ran out of memory")
+        best = max(ok, key=lambda r: r["seq_per_s"])
+        log.log(f"{variant}_best", {"size": cfg.size, "seq": cfg.seq}, best)
+        rows += [{"variant": variant, **r} for r in found]
+        del model, loss_of
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -438,7 +472,7 @@ def main() -> None:
     run = start_run(args, task=TASK, logs="gpt2.jsonl")
     if cfg.baseline:
         rows = run_baseline(cfg, run.device, run.log)
-        print_table(rows, title=f"Baseline fwd+bwd (HF, autocast) on {run.where}")
+        print_table(rows, title=f"Baseline fwd+bwd on {run.where} (log: {run.log.path})")
         return
     rows = run_offload(cfg, run.device, run.log, run.seed)
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]
