@@ -1,4 +1,4 @@
-"""Measure the two ceilings every efficiency number in effdl is compared against.
+"""Measure the GPU's dense-GEMM and copy-bandwidth ceilings: yardsticks for efficiency numbers.
 
 Dense GEMM throughput (TFLOP/s) per dtype and device-to-device copy bandwidth (GB/s) on the
 device at hand. Reports divide achieved FLOP/s and bytes/s by these measured values rather than
