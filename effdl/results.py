@@ -28,31 +28,25 @@ class ResultsFormatError(ValueError):
     """A run-log line that is not a valid record; the message names file and line."""
 
 
+def _git(*args: str) -> str:
+    """Output of ``git args`` run in this package's folder (raises when git fails)."""
+    here = Path(__file__).resolve().parent
+    run = subprocess.run(
+        ["git", *args], cwd=here, capture_output=True, text=True, timeout=5, check=True
+    )
+    return run.stdout.strip()
+
+
 def _git_sha() -> str:
     # A copy of the tree without .git (e.g. on the GPU machine) gets the sha from the caller.
     if os.environ.get("EFFDL_GIT_SHA"):
         return os.environ["EFFDL_GIT_SHA"]
-    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
+        sha = _git("rev-parse", "--short=12", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return sha + ("-dirty" if dirty else "")
 
 
 def environment() -> dict[str, str | int | None]:
