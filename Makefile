@@ -60,6 +60,7 @@ demo-swiglu: $(STAMP)
 	$(PY) swiglu_checkpoint/gpu_ceilings.py --quick --device cpu --out $(RUNS)/ceilings
 	@echo "== swiglu_checkpoint: recomputation benchmark (quick)"
 	$(PY) swiglu_checkpoint/benchmark.py --quick --device cpu --out $(RUNS)/swiglu
+	$(PY) swiglu_checkpoint/probes/gemm_kernel_count.py --device cpu --out $(RUNS)/swiglu/probes
 
 # Executed copies + HTML of every reports/*.ipynb against the demo's fresh logs.
 reports: $(STAMP)
