@@ -5,7 +5,9 @@ Pipelines: BRAIN (pad to 640), BIG BRAIN (pad to the batch max), ULTRA DUPER BIG
 Decreasing) from effdl.data.packing. Model: Embedding + sinusoidal positions + one
 nn.TransformerDecoder layer (d_model 1024, 8 heads), no LM head, under inference_mode.
 Every batch's forward is timed with CUDA events (effdl.profiling.epoch); the "ideal" row is all
-real tokens at the throughput of full dense (batch x 640) batches measured in the same run.
+real tokens at the throughput of full dense (batch x 640) batches measured in the same run, and
+every epoch is also set against dense batches of the same model timed right before it
+(``*_adjacent``), so drift over a long run does not land on one pipeline.
 
     python task2_batching/mock_epoch.py --quick                   # CPU smoke run, tiny model
     python task2_batching/mock_epoch.py --device cuda --cache runs/cache/wt103_full.npz
@@ -86,6 +88,20 @@ def parse_args() -> tuple[argparse.Namespace, MockEpochConfig]:
     return args, flags.resolve(args)
 
 
+def dense_batch(model: GPTLikeModel, cfg: MockEpochConfig, device: torch.device) -> torch.Tensor:
+    """Random token ids of one full (batch x max_length) batch: no padding, one shape."""
+    shape = (cfg.batch_size, cfg.max_length)
+    return torch.randint(2, model.cfg.vocab_size, shape, device=device)
+
+
+def time_forward(
+    model: GPTLikeModel, ids: torch.Tensor, autocast: Callable, iters: int, device: torch.device
+) -> TimingStats:
+    """Forward times of ``model`` on ``ids`` under ``autocast`` and inference mode."""
+    with torch.inference_mode(), autocast():
+        return benchmark(lambda: model.features(ids), warmup=5, iters=iters, device=device)
+
+
 def time_dense(
     model: GPTLikeModel, cfg: MockEpochConfig, device: torch.device, autocast: Callable
 ) -> dict[str, TimingStats]:
@@ -94,17 +110,13 @@ def time_dense(
     A fixed shape lets cuDNN attention amortise its per-shape plan, so the yardstick is timed
     both as the pipelines run the model (no cuDNN attention) and with it; the faster counts.
     """
-    shape = (cfg.batch_size, cfg.max_length)
-    dense = torch.randint(2, model.cfg.vocab_size, shape, device=device)
+    dense = dense_batch(model, cfg, device)
     with_cudnn = GPTLikeModel(replace(model.cfg, cudnn_attention=True)).to(device).eval()
     with_cudnn.load_state_dict(model.state_dict())
-    stats = {}
-    for name, m in (("dense", model), ("dense_cudnn", with_cudnn)):
-        with torch.inference_mode(), autocast():
-            stats[name] = benchmark(
-                lambda m=m: m.features(dense), warmup=5, iters=cfg.dense_iters, device=device
-            )
-    return stats
+    return {
+        name: time_forward(m, dense, autocast, cfg.dense_iters, device)
+        for name, m in (("dense", model), ("dense_cudnn", with_cudnn))
+    }
 
 
 def base_config(cfg: MockEpochConfig, corpus: runs.Corpus, model: GPTLikeModel, run: Run) -> dict:
@@ -164,9 +176,12 @@ def log_yardsticks(
     return rows
 
 
-def epoch_metrics(timing: EpochTiming, dense_tps: float) -> dict[str, Any]:
-    """The log metrics of one timed epoch, against the ideal (its real tokens at dense speed)."""
+def epoch_metrics(timing: EpochTiming, dense_tps: float, adjacent_tps: float) -> dict[str, Any]:
+    """The log metrics of one timed epoch, against the ideal: its real tokens at dense speed,
+    by the run's yardstick and by the dense batches timed right before this epoch (``_adjacent``:
+    the model as the pipelines run it, so drift of the host or GPU over the run cancels)."""
     ideal_s = timing.real_tokens / dense_tps
+    adjacent_s = timing.real_tokens / adjacent_tps
     return {
         **TimingStats.from_times(timing.batch_s).as_dict("batch_s_"),
         "n_batches": timing.n_batches,
@@ -180,6 +195,9 @@ def epoch_metrics(timing: EpochTiming, dense_tps: float) -> dict[str, Any]:
         "ideal_s": ideal_s,
         "compute_over_ideal": timing.compute_s / ideal_s,
         "epoch_over_ideal": timing.epoch_s / ideal_s,
+        "dense_tokens_per_s_adjacent": adjacent_tps,
+        "compute_over_ideal_adjacent": timing.compute_s / adjacent_s,
+        "epoch_over_ideal_adjacent": timing.epoch_s / adjacent_s,
         **timing.host_split(),
         "batch_s_percentiles": np.percentile(timing.batch_s, PERCENTILES).tolist(),
         "width_percentiles": np.percentile(timing.widths, PERCENTILES).tolist(),
@@ -199,6 +217,7 @@ def epoch_row(variant: str, m: dict[str, Any]) -> dict[str, Any]:
         "pad_%": 100 * m["padding_fraction"],
         "peak_GiB": m["peak_mem_gib"],
         "x_ideal": m["compute_over_ideal"],
+        "x_ideal_adjacent": m["compute_over_ideal_adjacent"],
     }
 
 
@@ -211,9 +230,12 @@ def time_pipelines(
     base: dict,
     dense_tps: float,
 ) -> list[dict[str, Any]]:
-    """One timed epoch per variant, logged; their table rows."""
+    """One timed epoch per variant, each right after dense batches of the same model; logged;
+    their table rows."""
     rows = []
+    dense = dense_batch(model, cfg, run.device)
     for name, k in tqdm(runs.variants(cfg), desc="variants", unit="variant"):
+        adjacent = time_forward(model, dense, autocast, cfg.dense_iters, run.device)
         max_tokens = cfg.max_tokens if name == "ultra" else None
         variant = runs.variant_name(name, k) + ("" if max_tokens is None else f"_mt{max_tokens}")
         rows_per_batch = None if max_tokens is not None else cfg.batch_size
@@ -227,7 +249,7 @@ def time_pipelines(
             warmup_batches=cfg.warmup_batches,
             progress=True,
         )
-        metrics = epoch_metrics(timing, dense_tps)
+        metrics = epoch_metrics(timing, dense_tps, dense.numel() / adjacent.median)
         run.log.log(variant, {**base, "pipeline": name, "k": k, "max_tokens": max_tokens}, metrics)
         rows.append(epoch_row(variant, metrics))
     return rows
