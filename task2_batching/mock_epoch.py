@@ -47,36 +47,45 @@ OVERFLOW = ["truncate", "drop"]
 class MockEpochConfig(runs.PipelineRunConfig):
     ks: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 50, 640])
     batch_size: int = 64
-    max_tokens: int | None = None  # ULTRA's padded-token budget per batch, replacing its row cap
+    # ULTRA's batch rules, each run at every k: None = batch_size rows, N = a padded-token budget
+    max_tokens: list[int | None] = field(default_factory=lambda: [None])
     overflow: str = "truncate"
     max_batches: int | None = None  # None: the whole epoch
     warmup_batches: int = 10
     dense_iters: int = 30
+    repeats: int = 1  # timed epochs per variant, interleaved (A B C A B C)
 
     def validate(self) -> None:
         self.check_fields(list(PRECISION_NAMES), minimum=1)
         require_choices(self, "overflow", OVERFLOW)
-        require_positive(self, "dense_iters")
+        require_positive(self, "dense_iters", "repeats")
         require_positive(self, "warmup_batches", minimum=0)
         if self.max_batches is not None:
             require_positive(self, "max_batches")
-        if self.max_tokens is not None:
-            require_positive(self, "max_tokens")
-            if "ultra" not in self.pipelines:
-                raise UsageError("--max-tokens needs 'ultra' in --pipelines")
+        budgets = [n for n in self.max_tokens if n is not None]
+        if budgets and min(budgets) < 1:
+            raise UsageError(f"--max-tokens: budgets must be >= 1, got {min(budgets)}")
+        if budgets and "ultra" not in self.pipelines:
+            raise UsageError("--max-tokens needs 'ultra' in --pipelines")
 
 
 FULL = MockEpochConfig()
 QUICK = replace(FULL, batch_size=16, max_length=128, d_model=64, n_heads=4, d_ff=128, dense_iters=3)
 
 
+def budget_or_rows(text: str) -> int | None:
+    """An argparse type: ``rows`` (None: a row cap) or a token budget."""
+    return None if text == "rows" else int(text)
+
+
 def parse_args() -> tuple[argparse.Namespace, MockEpochConfig]:
     p, flags = runs.pipeline_parser(__doc__.splitlines()[0], FULL, QUICK, list(PRECISION_NAMES))
     flags.add(
         "max_tokens",
-        type=int,
-        help="ULTRA only: size batches by a padded-token budget (rows x batch max <= N, no row "
-        "cap); --batch-size then sets only the dense yardstick",
+        type=budget_or_rows,
+        nargs="+",
+        help="ULTRA's batch rules, each run at every k: 'rows' = --batch-size rows per batch, "
+        "N = a padded-token budget (rows x batch max <= N, no row cap)",
     )
     flags.add("overflow", choices=OVERFLOW, help="samples longer than --max-length")
     flags.add(
@@ -84,6 +93,7 @@ def parse_args() -> tuple[argparse.Namespace, MockEpochConfig]:
     )
     flags.add("warmup_batches", type=int, help="untimed batches before each epoch")
     flags.add("dense_iters", type=int, help="timed batches of each dense yardstick")
+    flags.add("repeats", type=int, help="timed epochs per variant, interleaved across variants")
     args = p.parse_args()
     return args, flags.resolve(args)
 
@@ -221,6 +231,15 @@ def epoch_row(variant: str, m: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def epoch_variants(cfg: MockEpochConfig) -> list[tuple[str, int | None, int | None]]:
+    """``(pipeline, k, max_tokens)`` of every timed epoch: ULTRA under each of its batch rules."""
+    return [
+        (name, k, budget)
+        for name, k in runs.variants(cfg)
+        for budget in (cfg.max_tokens if name == "ultra" else [None])
+    ]
+
+
 def time_pipelines(
     cfg: MockEpochConfig,
     corpus: runs.Corpus,
@@ -230,13 +249,13 @@ def time_pipelines(
     base: dict,
     dense_tps: float,
 ) -> list[dict[str, Any]]:
-    """One timed epoch per variant, each right after dense batches of the same model; logged;
-    their table rows."""
+    """``cfg.repeats`` timed epochs per variant, interleaved, each right after dense batches of
+    the same model; logged; their table rows."""
     rows = []
     dense = dense_batch(model, cfg, run.device)
-    for name, k in tqdm(runs.variants(cfg), desc="variants", unit="variant"):
+    timed = [(rep, v) for rep in range(cfg.repeats) for v in epoch_variants(cfg)]
+    for rep, (name, k, max_tokens) in tqdm(timed, desc="epochs", unit="epoch"):
         adjacent = time_forward(model, dense, autocast, cfg.dense_iters, run.device)
-        max_tokens = cfg.max_tokens if name == "ultra" else None
         variant = runs.variant_name(name, k) + ("" if max_tokens is None else f"_mt{max_tokens}")
         rows_per_batch = None if max_tokens is not None else cfg.batch_size
         loader = runs.loader(name, k, cfg, corpus, model, run, rows_per_batch, max_tokens)
@@ -250,8 +269,9 @@ def time_pipelines(
             progress=True,
         )
         metrics = epoch_metrics(timing, dense_tps, dense.numel() / adjacent.median)
-        run.log.log(variant, {**base, "pipeline": name, "k": k, "max_tokens": max_tokens}, metrics)
-        rows.append(epoch_row(variant, metrics))
+        config = {**base, "pipeline": name, "k": k, "max_tokens": max_tokens, "repeat": rep}
+        run.log.log(variant, config, metrics)
+        rows.append(epoch_row(variant if cfg.repeats == 1 else f"{variant} #{rep}", metrics))
     return rows
 
 

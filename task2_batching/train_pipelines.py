@@ -3,8 +3,9 @@
 Each pipeline (BRAIN, BIG BRAIN, ULTRA DUPER BIG BRAIN = BalancedBatchSampler at each k, packed
 rows) trains a freshly initialised model (same seed) with forward + backward + AdamW until it
 has consumed ``--token-budget`` real (non-padding) tokens. Reported: total wall time (data
-loading included, one synchronize at the end), peak GPU memory, steps, and the mean loss of the
-last steps, so the pipelines compare at equal useful work rather than equal step counts.
+loading included, one synchronize at the end), peak GPU memory (of the run: its largest batch;
+and the median step's own peak), steps, and the mean loss of the last steps, so the pipelines
+compare at equal useful work rather than equal step counts.
 
     python task2_batching/train_pipelines.py --quick            # CPU smoke run, tiny model
     python task2_batching/train_pipelines.py --device cuda --cache runs/cache/wt103_v32k.npz
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import pipeline_runs as runs
 import torch
 from tqdm import tqdm
@@ -26,7 +28,7 @@ from effdl.amp.precision import forward_precision
 from effdl.cli import Run, print_table, require_positive, run_main, seed_everything, start_run
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel, matmul_flops_per_token
 from effdl.models.lm_objective import LMInputs, lm_cross_entropy, lm_inputs, next_token_labels
-from effdl.profiling.timing import peak_memory
+from effdl.profiling.timing import peak_memory, take_peak_memory
 
 DTYPES = ["bf16", "tf32", "fp32"]
 LOSS_TAIL = 20  # final_loss: the mean loss of this many last steps
@@ -104,6 +106,7 @@ def train_on_budget(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     real = slots = 0
     losses = []
+    step_peaks = []
     with peak_memory(run.device) as mem:
         start = time.perf_counter()
         bar = tqdm(
@@ -116,6 +119,7 @@ def train_on_budget(
             losses.append(
                 train_step(model, opt, inputs.to(run.device, non_blocking=True), autocast)
             )
+            step_peaks.append(take_peak_memory(run.device))
             bar.update(inputs.n_real_tokens)
             if real >= cfg.token_budget:
                 break
@@ -130,7 +134,8 @@ def train_on_budget(
         "slots": slots,
         "padding_fraction": 1 - real / slots,
         "real_tokens_per_s": real / total_s,
-        "peak_mem_gib": mem.gib,
+        "peak_mem_gib": max(mem.gib, max(step_peaks)),
+        "step_peak_gib_median": float(np.median(step_peaks)),
         "final_loss": tail,
         "approx_tflops": flops / total_s / 1e12,
     }
@@ -177,6 +182,7 @@ def train_pipelines(
                 "real_Mtok_s": m["real_tokens_per_s"] / 1e6,
                 "pad_%": 100 * m["padding_fraction"],
                 "peak_GiB": m["peak_mem_gib"],
+                "median_step_peak_GiB": m["step_peak_gib_median"],
                 "final_loss": m["final_loss"],
             }
         )

@@ -217,3 +217,15 @@ def peak_memory(device: str | torch.device) -> Iterator[PeakMemory]:
             torch.cuda.synchronize(dev)
             result.bytes = torch.cuda.max_memory_allocated(dev)
             result.gib = result.bytes / GIB
+
+
+def take_peak_memory(device: str | torch.device) -> float:
+    """Peak GiB allocated since the counter was last reset, then reset it: one step's own peak
+    when called after every step. The caching allocator decides on the host, in stream order,
+    so this needs no synchronize. NaN on CPU."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return float("nan")
+    peak = torch.cuda.max_memory_allocated(dev) / GIB
+    torch.cuda.reset_peak_memory_stats(dev)
+    return peak
