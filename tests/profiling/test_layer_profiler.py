@@ -282,6 +282,50 @@ def test_summary_table_lists_the_slowest_modules(net: Net, x: torch.Tensor) -> N
     assert totals == sorted(totals, reverse=True)
 
 
+class FakeCuda:
+    """Stand-ins for CUDA events on the host clock that count synchronizes and catch an event
+    read before one."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+        self.records = 0
+
+    def event(self, enable_timing: bool) -> object:
+        cuda = self
+        assert enable_timing
+
+        class Event:
+            def record(self, stream: object) -> None:
+                assert stream == "current stream"
+                cuda.records += 1
+                self.ns = time.perf_counter_ns()
+
+            def elapsed_time(self, end: Event) -> float:
+                assert cuda.syncs > 0, "an event read before a synchronize"
+                return (end.ns - self.ns) / 1e6
+
+        return Event()
+
+    def synchronize(self, device: torch.device) -> None:
+        self.syncs += 1
+
+
+def test_cuda_stamps_sync_once_when_read_never_in_hooks(
+    net: Net, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "current stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    with Profile(net, device="cuda") as prof:
+        train_steps(net, prof, 2, x)
+    assert fake.syncs == 0 and fake.records > 4 * len(list(net.modules()))
+    spans = prof.spans()
+    assert fake.syncs == 1
+    assert all(s.dur_ns >= 0 for s in spans) and len(prof.step_times_ms()) == 2
+    assert "CUDA events" in prof.summary().splitlines()[0]
+
+
 # -- Perfetto --------------------------------------------------------------------------------
 
 X_KEYS = {"name": str, "cat": str, "ph": str, "ts": float, "dur": float, "pid": int, "tid": int}
