@@ -393,7 +393,8 @@ class Profile:
 
         ``{"traceEvents": [...]}``: one complete event (``"ph": "X"``, ``ts``/``dur`` in
         microseconds since the profile began) per step and per module call in each direction,
-        on three tracks (``tid``) named by metadata events: steps, forward, backward.
+        on three tracks (``tid``) named by metadata events: steps, forward, backward. Creates
+        the folder; returns the path written.
         """
         pid = 1
         meta = [
@@ -428,5 +429,6 @@ class Profile:
             for s in spans
         ]
         out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"traceEvents": meta + events}), encoding="utf-8")
         return out

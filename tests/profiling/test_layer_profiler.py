@@ -334,7 +334,7 @@ X_KEYS = {"name": str, "cat": str, "ph": str, "ts": float, "dur": float, "pid": 
 def test_trace_is_valid_trace_event_json(net: Net, x: torch.Tensor, tmp_path) -> None:
     with Profile(net, schedule=Schedule(wait=0, warmup=1, active=2)) as prof:
         train_steps(net, prof, 3, x)
-    path = prof.to_perfetto(tmp_path / "trace.json")
+    path = prof.to_perfetto(tmp_path / "vit" / "trace.json")
     events = json.loads(path.read_text())["traceEvents"]
     assert {e["ph"] for e in events} == {"X", "M"}
     complete = [e for e in events if e["ph"] == "X"]
