@@ -1,0 +1,443 @@
+"""Profile and Schedule: the schedule against torch.profiler's, well-formed spans, recorded steps,
+clean removal, the trace-event format, measured times; on a GPU, torch.profiler's kernel times
+and the profiler's own overhead."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerAction, profile, schedule
+
+from effdl.profiling.layer_profiler import Phase, Profile, Schedule, Span
+from effdl.profiling.timing import RegionTimer
+
+TORCH_PHASE = {
+    ProfilerAction.NONE: Phase.NONE,
+    ProfilerAction.WARMUP: Phase.WARMUP,
+    ProfilerAction.RECORD: Phase.RECORD,
+    ProfilerAction.RECORD_AND_SAVE: Phase.RECORD,
+}
+
+
+class Block(nn.Module):
+    """Attention-like siblings reading one input, then a residual feed-forward container."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.softmax = nn.Softmax(dim=-1)
+        self.ff = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        x = x + self.softmax(self.q(h) @ self.k(h).T) @ self.v(h)
+        return x + self.ff(x)
+
+
+class Net(nn.Module):
+    """Nested containers, and ``shared`` called twice per forward."""
+
+    def __init__(self, d_in: int = 12, d: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d_in, d)
+        self.blocks = nn.Sequential(Block(d), Block(d))
+        self.shared = nn.Linear(d, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.embed(x))
+        return self.head(self.shared(torch.relu(self.shared(x))))
+
+
+def train_steps(model: nn.Module, prof: Profile | None, steps: int, x: torch.Tensor) -> None:
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        if prof is not None:
+            prof.step()
+
+
+def parent_path(path: str, root: str = "model") -> str:
+    return path.rsplit(".", 1)[0] if "." in path else root
+
+
+@pytest.fixture
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    return torch.randn(8, 12, generator=torch.Generator().manual_seed(1))
+
+
+# -- Schedule --------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_schedule_matches_torch_profiler_schedule() -> None:
+    for wait, warmup, active, repeat, skip_first in itertools.product(
+        range(3), range(3), range(1, 4), range(3), range(3)
+    ):
+        ours = Schedule(wait, warmup, active, repeat, skip_first)
+        ref = schedule(
+            wait=wait, warmup=warmup, active=active, repeat=repeat, skip_first=skip_first
+        )
+        got = [ours.phase(s) for s in range(40)]
+        assert got == [TORCH_PHASE[ref(s)] for s in range(40)], ours
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(-1, 1, 1, 0, 0), (0, -1, 1, 0, 0), (0, 0, 0, 0, 0), (0, 0, 1, -1, 0), (0, 0, 1, 0, -1)],
+)
+def test_schedule_rejects_what_torch_rejects(args: tuple[int, ...]) -> None:
+    names = ("wait", "warmup", "active", "repeat", "skip_first")
+    with pytest.raises(AssertionError):
+        schedule(**dict(zip(names, args, strict=True)))
+    with pytest.raises(ValueError, match="active >= 1"):
+        Schedule(*args)
+
+
+def test_schedule_rejects_a_negative_step() -> None:
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        Schedule(0, 0, 1).phase(-1)
+
+
+# -- spans -----------------------------------------------------------------------------------
+
+
+def test_labels_leaves_by_class_others_by_path_and_class(net: Net, x: torch.Tensor) -> None:
+    with Profile(net) as prof:
+        train_steps(net, prof, 1, x)
+    labels = {r["path"]: r["module"] for r in prof.records()}
+    assert labels["model"] == "model: Net"
+    assert labels["blocks"] == "blocks: Sequential"
+    assert labels["blocks.0.ff"] == "blocks.0.ff: Sequential"
+    assert labels["blocks.0.ff.1"] == "GELU"
+    assert labels["blocks.1.q"] == "Linear"
+    assert len(labels) == len(list(net.modules()))
+
+
+def test_spans_nest_inside_their_parent_modules_spans(net: Net, x: torch.Tensor) -> None:
+    with Profile(net) as prof:
+        train_steps(net, prof, 2, x)
+    spans = [s for s in prof.spans() if s.kind != "step"]
+    by_track: dict[tuple[str, int], list[Span]] = {}
+    for s in spans:
+        by_track.setdefault((s.kind, s.step), []).append(s)
+    for (kind, _), track in by_track.items():
+        assert {s.path for s in track} == {r["path"] for r in prof.records()}, kind
+        # Laminar: any two spans of a track are disjoint or one holds the other.
+        stack: list[Span] = []
+        for s in sorted(track, key=lambda s: (s.start_ns, -s.end_ns)):
+            while stack and stack[-1].end_ns <= s.start_ns:
+                stack.pop()
+            assert not stack or s.end_ns <= stack[-1].end_ns, (stack[-1], s)
+            stack.append(s)
+        for s in track:
+            if s.path != "model":
+                parents = [p for p in track if p.path == parent_path(s.path)]
+                assert any(p.start_ns <= s.start_ns and s.end_ns <= p.end_ns for p in parents), s
+
+
+def test_a_module_called_twice_gets_a_span_per_call(net: Net, x: torch.Tensor) -> None:
+    with Profile(net) as prof:
+        train_steps(net, prof, 3, x)
+    rows = {r["path"]: r for r in prof.records()}
+    assert (rows["shared"]["calls"], rows["shared"]["bwd_calls"]) == (6, 6)
+    assert (rows["head"]["calls"], rows["head"]["bwd_calls"]) == (3, 3)
+
+
+@pytest.mark.parametrize(
+    "sched", [Schedule(wait=1, warmup=1, active=2, repeat=2, skip_first=1), Schedule(0, 0, 1), None]
+)
+def test_only_record_steps_are_kept(net: Net, x: torch.Tensor, sched: Schedule | None) -> None:
+    n = 13
+    with Profile(net, schedule=sched) as prof:
+        train_steps(net, prof, n, x)
+    recorded = [k for k in range(n) if sched is None or sched.phase(k) is Phase.RECORD]
+    spans = prof.spans()
+    assert [s.step for s in spans if s.kind == "step"] == recorded
+    assert {s.step for s in spans} == set(recorded)
+    rows = {r["path"]: r for r in prof.records()}
+    assert rows["head"]["calls"] == rows["head"]["bwd_calls"] == len(recorded)
+    assert len(prof.step_times_ms()) == len(recorded)
+
+
+def test_a_block_without_step_calls_is_one_step(net: Net, x: torch.Tensor) -> None:
+    with Profile(net) as prof:
+        net(x).sum().backward()
+    rows = {r["path"]: r for r in prof.records()}
+    assert len(prof.step_times_ms()) == 1 and rows["model"]["calls"] == 1
+    assert 0 < rows["model"]["step_pct"] <= 100
+
+
+def test_no_grad_forward_has_no_backward_spans(net: Net, x: torch.Tensor) -> None:
+    with Profile(net) as prof, torch.no_grad():
+        net(x)
+        prof.step()
+    rows = prof.records()
+    assert all(r["bwd_calls"] == 0 and r["bwd_mean_ms"] is None for r in rows)
+    assert {r["path"]: r["calls"] for r in rows}["shared"] == 2
+
+
+def test_hooks_are_removed_and_results_unchanged(net: Net, x: torch.Tensor) -> None:
+    ref = copy.deepcopy(net)
+    user_hook = net.head.register_forward_hook(lambda *_: None)
+    with Profile(net) as prof:
+        out = net(x)
+        out.square().mean().backward()
+        prof.step()
+    ref_out = ref(x)
+    ref_out.square().mean().backward()
+    assert torch.equal(out, ref_out)
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert list(net.head._forward_hooks) == [user_hook.id]  # the user's hook stays
+    user_hook.remove()
+    for m in net.modules():
+        hooks = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+        assert all(len(h) == 0 for h in hooks) and m._is_full_backward_hook is None
+    net.head.register_backward_hook(lambda *_: None)  # old-style hooks are allowed again
+
+
+def test_a_profile_records_one_block(net: Net) -> None:
+    prof = Profile(net)
+    with pytest.raises(RuntimeError, match="outside"):
+        prof.step()
+    with prof:
+        pass
+    with pytest.raises(RuntimeError, match="one `with` block"), prof:
+        pass
+
+
+# -- measured times --------------------------------------------------------------------------
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Sleepy(nn.Module):
+    """A Linear whose forward sleeps ``fwd_s`` and whose backward sleeps ``bwd_s``."""
+
+    def __init__(self, fwd_s: float, bwd_s: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.fwd_s)
+        return SleepInBackward.apply(self.linear(x), self.bwd_s)
+
+
+MARGIN_MS = 100  # sleeps overshoot on a loaded machine; the lower bound is exact
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["no-grad-input", "grad-input"])
+def test_sleeps_are_measured(first: bool) -> None:
+    """A sleep in forward and one in backward land in that module's spans and its parents'.
+    As the first layer its input needs no grad: torch fires its backward hook early, and the
+    span must still hold the backward sleep."""
+    fwd_ms, bwd_ms = 20, 40
+    layers = [Sleepy(fwd_ms / 1e3, bwd_ms / 1e3), nn.Linear(4, 4)]
+    model = nn.Sequential(*(layers if first else layers[::-1]))
+    sleepy = "0" if first else "1"
+    with Profile(model) as prof:
+        train_steps(model, prof, 2, torch.randn(2, 4))
+    rows = {r["path"]: r for r in prof.records()}
+    for path in (sleepy, "model"):
+        assert fwd_ms <= rows[path]["fwd_mean_ms"] < fwd_ms + MARGIN_MS, path
+        assert bwd_ms <= rows[path]["bwd_mean_ms"] < bwd_ms + MARGIN_MS, path
+    assert all(fwd_ms + bwd_ms <= t < fwd_ms + bwd_ms + MARGIN_MS for t in prof.step_times_ms())
+    assert prof.records()[0]["path"] == "model"  # slowest first
+    assert 95 < rows["model"]["step_pct"] <= 100
+
+
+def test_summary_table_lists_the_slowest_modules(net: Net, x: torch.Tensor) -> None:
+    with Profile(net, name="net") as prof:
+        train_steps(net, prof, 2, x)
+    lines = prof.summary(top=3).splitlines()
+    assert lines[0].startswith("net: 2 recorded steps") and "host clock" in lines[0]
+    assert len(lines) == 1 + 2 + 3  # heading, column names and rule, 3 rows
+    assert "net: Net" in lines[3]
+    totals = [r["fwd_total_ms"] + r["bwd_total_ms"] for r in prof.records()]
+    assert totals == sorted(totals, reverse=True)
+
+
+class FakeCuda:
+    """Stand-ins for CUDA events on the host clock that count synchronizes and catch an event
+    read before one."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+        self.records = 0
+
+    def event(self, enable_timing: bool) -> object:
+        cuda = self
+        assert enable_timing
+
+        class Event:
+            def record(self, stream: object) -> None:
+                assert stream == "current stream"
+                cuda.records += 1
+                self.ns = time.perf_counter_ns()
+
+            def elapsed_time(self, end: Event) -> float:
+                assert cuda.syncs > 0, "an event read before a synchronize"
+                return (end.ns - self.ns) / 1e6
+
+        return Event()
+
+    def synchronize(self, device: torch.device) -> None:
+        self.syncs += 1
+
+
+def test_cuda_stamps_sync_once_when_read_never_in_hooks(
+    net: Net, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "current stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    with Profile(net, device="cuda") as prof:
+        train_steps(net, prof, 2, x)
+    assert fake.syncs == 0 and fake.records > 4 * len(list(net.modules()))
+    spans = prof.spans()
+    assert fake.syncs == 1
+    assert all(s.dur_ns >= 0 for s in spans) and len(prof.step_times_ms()) == 2
+    assert "CUDA events" in prof.summary().splitlines()[0]
+
+
+# -- Perfetto --------------------------------------------------------------------------------
+
+X_KEYS = {"name": str, "cat": str, "ph": str, "ts": float, "dur": float, "pid": int, "tid": int}
+
+
+def test_trace_is_valid_trace_event_json(net: Net, x: torch.Tensor, tmp_path) -> None:
+    with Profile(net, schedule=Schedule(wait=0, warmup=1, active=2)) as prof:
+        train_steps(net, prof, 3, x)
+    path = prof.to_perfetto(tmp_path / "vit" / "trace.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["ph"] for e in events} == {"X", "M"}
+    complete = [e for e in events if e["ph"] == "X"]
+    for e in complete:
+        assert all(isinstance(e[k], t) for k, t in X_KEYS.items()), e
+        assert e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in ("step", "forward", "backward")
+    names = {
+        e["tid"]: e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "thread_name" and isinstance(e["args"]["name"], str)
+    }
+    assert {e["tid"] for e in complete} <= set(names)
+    assert {names[e["tid"]] for e in complete} == {"step", "forward", "backward"}
+    assert all(names[e["tid"]] == e["cat"] for e in complete)  # one track per direction
+    rows = {r["path"]: r for r in prof.records()}
+    for kind, key in (("forward", "calls"), ("backward", "bwd_calls")):
+        counts: dict[str, int] = {}
+        for e in complete:
+            if e["cat"] == kind:
+                counts[e["args"]["path"]] = counts.get(e["args"]["path"], 0) + 1
+        assert counts == {p: r[key] for p, r in rows.items()}, kind
+    assert sum(e["cat"] == "step" for e in complete) == 2
+
+
+# -- GPU -------------------------------------------------------------------------------------
+
+
+def cuda_train_step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.gpu
+def test_layer_times_match_torch_profiler_kernel_times() -> None:
+    """Forward span of each large Linear vs the device time of its ``aten::linear`` (kernels)."""
+    torch.manual_seed(0)
+    # Distinct weight shapes name the layers in torch.profiler's events; the first three take
+    # more than 1 ms even with TF32.
+    shapes = [(4096, 8192), (8192, 8192), (8192, 4096), (4096, 1024)]
+    model = nn.Sequential(*(nn.Linear(i, o) for i, o in shapes)).cuda()
+    x = torch.randn(8192, 4096, device="cuda")
+    sched = dict(wait=1, warmup=1, active=4)
+
+    with Profile(model, schedule=Schedule(**sched)) as prof:
+        for _ in range(6):
+            cuda_train_step(model, x)
+            prof.step()
+    ours = {s["path"]: s["fwd_mean_ms"] for s in prof.records()}
+
+    with profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+        schedule=schedule(**sched),
+        record_shapes=True,
+    ) as ref:
+        for _ in range(6):
+            cuda_train_step(model, x)
+            ref.step()
+    kernel_ms: dict[tuple[int, ...], list[float]] = {}
+    for e in ref.events():
+        if e.name == "aten::linear":
+            kernel_ms.setdefault(tuple(e.input_shapes[1]), []).append(e.device_time_total / 1e3)
+
+    compared = 0
+    for index, (d_in, d_out) in enumerate(shapes):
+        theirs = statistics.median(kernel_ms[(d_out, d_in)])
+        if theirs > 1.0:
+            compared += 1
+            assert ours[str(index)] == pytest.approx(theirs, rel=0.10), (index, theirs)
+    assert compared >= 3
+
+
+@pytest.mark.gpu
+def test_overhead_while_recording_is_within_5_percent() -> None:
+    """Median step time with every module hooked and recorded vs the bare model, interleaved."""
+    torch.manual_seed(0)
+    d = 1024
+    model = nn.Sequential(
+        *(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+            for _ in range(12)
+        )
+    ).cuda()
+    x = torch.randn(4096, d, device="cuda")
+
+    def timed_steps(prof: Profile | None, n: int = 5) -> list[float]:
+        def step() -> None:
+            cuda_train_step(model, x)
+            if prof is not None:
+                prof.step()
+
+        step()  # warm-up, untimed
+        timer = RegionTimer("cuda")
+        for _ in range(n):
+            with timer.region():
+                step()
+        return timer.times()
+
+    bare: list[float] = []
+    hooked: list[float] = []
+    for _ in range(5):
+        bare += timed_steps(None)
+        with Profile(model) as prof:
+            hooked += timed_steps(prof)
+        assert len(prof.step_times_ms()) == 6
+    overhead = statistics.median(hooked) / statistics.median(bare) - 1
+    assert overhead <= 0.05, f"overhead {overhead:.1%}"
