@@ -151,8 +151,13 @@ PRESETS = {
 }
 
 
-def parse_config(description: str, default_out: str) -> tuple[argparse.Namespace, PipelineConfig]:
-    """``--pipeline`` picks the preset pair the other flags override; validated config."""
+def parse_config(
+    description: str,
+    default_out: str,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> tuple[argparse.Namespace, PipelineConfig]:
+    """``--pipeline`` picks the preset pair the other flags override; validated config.
+    ``extra`` adds a script's own arguments."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--pipeline", choices=PIPELINES, default="as_given")
     pipeline = pre.parse_known_args()[0].pipeline
@@ -161,6 +166,8 @@ def parse_config(description: str, default_out: str) -> tuple[argparse.Namespace
                    help="the preset the other flags override (help shows its defaults)")  # fmt: skip
     flags = ConfigFlags(p, *PRESETS[pipeline])
     add_flags(flags)
+    if extra is not None:
+        extra(p)
     args = p.parse_args()
     return args, flags.resolve(args)
 
