@@ -157,3 +157,43 @@ def test_a_last_training_batch_of_one_is_refused_before_training(tmp_path, data_
     data = vp.prepare_data(cfg)
     with pytest.raises(UsageError, match="batch of 1"):
         vp.make_loaders(dataclasses.replace(cfg, batch_size=31), data)
+
+
+def steps_under_sync_check(preset: "vp.PipelineConfig", batch_images: torch.Tensor, n: int = 3):
+    """``n`` training steps of ``preset`` (2 blocks) on CUDA after a first, unchecked one (lazy
+    initialisation), with any host-device synchronisation raising."""
+    device = torch.device("cuda")
+    cfg = vp.for_device(dataclasses.replace(preset, depth=2, batch_size=8), device)
+    trainer = vp.build_trainer(cfg, device, num_classes=20)
+    labels = torch.randint(0, 20, (8,))
+    batch = (
+        (batch_images.pin_memory(), labels.pin_memory())
+        if cfg.pin_memory
+        else (batch_images, labels)
+    )
+    stats = vp.BatchStats(cfg.sync_every_step)
+    trainer.model.train()
+
+    def step():
+        x, y = trainer.to_device(batch)
+        stats.add(*trainer.train_step(x, y), y)
+
+    step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(n):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_the_fixed_training_step_never_waits_for_the_gpu():
+    steps_under_sync_check(vp.FIXED, torch.randint(0, 256, (8, 3, 224, 224), dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_the_training_step_as_given_waits_for_the_gpu():
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        steps_under_sync_check(vp.AS_GIVEN, torch.rand(8, 3, 224, 224))
