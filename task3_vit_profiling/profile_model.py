@@ -1,0 +1,188 @@
+"""Profile a few training iterations of the ViT pipeline (as given or fixed): torch.profiler's
+op tables and trace, and effdl's layer-level Profile, on the same pipeline and schedule.
+
+Each iteration is split into named ranges (``data_wait``: next(loader), ``to_device``,
+``train_step``, ``batch_stats``) so the trace shows data loading against GPU work; during the
+torch.profiler pass every module's forward is a range too (``module: <path>: <Class>``), the
+reference for the layer Profile's forward times. The two passes run one after the other on
+consecutive batches of one loader, with the same wait/warmup/active schedule. Written to --out:
+
+- ``vit_profile_ops.jsonl``: one record per module range and per op (name and input shapes, the
+  ``--log-ops`` with the most self time): CPU and device time, calls, memory;
+- ``<pipeline>_ops.txt``: key_averages tables (by op; by op and input shape; module ranges);
+- ``<pipeline>_torch_trace.json``: the Chrome trace of the active iterations (Perfetto opens it);
+- ``<pipeline>_layers.txt`` and ``<pipeline>_layers_trace.json``: Profile's summary and trace.
+
+    python task3_vit_profiling/profile_model.py --quick --pipeline fixed            # CPU
+    python task3_vit_profiling/profile_model.py --device cuda --pipeline as_given --out runs/vit/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import vit_pipeline as vp
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from effdl.cli import Run, require_positive, run_main, start_run
+from effdl.profiling import layer_profiler
+
+LOG = "vit_profile_ops.jsonl"
+MODULE_PREFIX = "module: "
+
+
+def add_schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", type=int, default=1, help="iterations skipped by both profilers")
+    p.add_argument("--warmup", type=int, default=2, help="iterations traced but discarded")
+    p.add_argument("--active", type=int, default=3, help="iterations recorded")
+    p.add_argument("--row-limit", type=int, default=40, help="rows per printed table")
+    p.add_argument("--log-ops", type=int, default=100, help="ops (by input shape) logged")
+
+
+def endless(loader) -> Iterator:
+    """The loader's batches, pass after pass."""
+    while True:
+        yield from loader
+
+
+def run_iterations(trainer: vp.Trainer, batches: Iterator, n: int, step: Callable[[], None]):
+    """``n`` training iterations in named ranges, calling ``step()`` after each."""
+    stats = vp.BatchStats(trainer.cfg.sync_every_step)
+    trainer.model.train()
+    for _ in range(n):
+        with record_function("data_wait"):
+            batch = next(batches)
+        with record_function("to_device"):
+            x, y = trainer.to_device(batch)
+        with record_function("train_step"):
+            loss, logits = trainer.train_step(x, y)
+        with record_function("batch_stats"):
+            stats.add(loss, logits, y)
+        step()
+
+
+@contextlib.contextmanager
+def module_ranges(model: nn.Module) -> Iterator[None]:
+    """Every submodule's forward as a profiler range named ``module: <path>: <Class>``."""
+    handles, open_ranges = [], {}
+
+    def enter(name: str):
+        def hook(module, args):
+            open_ranges[name] = record_function(f"{MODULE_PREFIX}{name}: {type(module).__name__}")
+            open_ranges[name].__enter__()
+
+        return hook
+
+    def leave(name: str):
+        def hook(module, args, output):
+            open_ranges.pop(name).__exit__(None, None, None)
+
+        return hook
+
+    for name, module in model.named_modules():
+        name = name or "model"
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave(name)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def torch_profile(trainer: vp.Trainer, batches: Iterator, args, out: Path, name: str):
+    """The torch.profiler pass; returns the profiler (its key_averages cover the active steps)."""
+    activities = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sched = schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1)
+    trace = out / f"{name}_torch_trace.json"
+    with (
+        module_ranges(trainer.model),
+        profile(activities=activities, schedule=sched, record_shapes=True, profile_memory=True,
+                on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof,
+    ):  # fmt: skip
+        run_iterations(trainer, batches, args.wait + args.warmup + args.active, prof.step)
+    return prof
+
+
+def layer_profile(trainer: vp.Trainer, batches: Iterator, args, out: Path, name: str) -> str:
+    """The layer Profile pass on the same schedule; writes its trace, returns its summary."""
+    sched = layer_profiler.Schedule(wait=args.wait, warmup=args.warmup, active=args.active)
+    with layer_profiler.Profile(trainer.model, name=f"vit_{name}", schedule=sched) as prof:
+        run_iterations(trainer, batches, args.wait + args.warmup + args.active, prof.step)
+    prof.to_perfetto(str(out / f"{name}_layers_trace.json"))
+    return str(prof.summary())
+
+
+def event_record(evt) -> dict:
+    """What a key_averages row says, in microseconds and bytes (device fields 0 on the CPU)."""
+    return {
+        "name": evt.key,
+        "input_shapes": str(evt.input_shapes) if evt.input_shapes else None,
+        "calls": evt.count,
+        "cpu_time_total_us": evt.cpu_time_total,
+        "self_cpu_time_total_us": evt.self_cpu_time_total,
+        "device_time_total_us": getattr(evt, "device_time_total", 0),
+        "self_device_time_total_us": getattr(evt, "self_device_time_total", 0),
+        "cpu_memory_bytes": evt.cpu_memory_usage,
+        "device_memory_bytes": getattr(evt, "device_memory_usage", 0),
+    }
+
+
+def log_and_write_tables(prof, run: Run, config: dict, args, out: Path, name: str) -> str:
+    """One record per module range and per op (by input shape; the ``--log-ops`` with the most
+    self time); the three tables as text. Returns the by-op table."""
+    sort = "self_device_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
+    by_op, by_shape = prof.key_averages(), prof.key_averages(group_by_input_shape=True)
+    modules = [e for e in by_op if e.key.startswith(MODULE_PREFIX)]
+    ops = [e for e in by_shape if not e.key.startswith(MODULE_PREFIX)]
+    ops = sorted(ops, key=lambda e: getattr(e, sort), reverse=True)[: args.log_ops]
+    for kind, events in (("module", modules), ("op", ops)):
+        for evt in events:
+            run.log.log(name, {**config, "kind": kind}, event_record(evt))
+    tables = {
+        "by op": by_op.table(sort_by=sort, row_limit=args.row_limit),
+        "by op and input shape": by_shape.table(sort_by=sort, row_limit=args.row_limit),
+        "module forward ranges": "\n".join(
+            f"{e.key:70s} calls {e.count:4d}  cpu {e.cpu_time_total / 1e3:9.3f} ms  "
+            f"device {getattr(e, 'device_time_total', 0) / 1e3:9.3f} ms"
+            for e in sorted(modules, key=lambda e: e.key)
+        ),
+    }
+    text = "\n\n".join(f"== {title}\n{table}" for title, table in tables.items())
+    (out / f"{name}_ops.txt").write_text(text)
+    return tables["by op"]
+
+
+def main() -> None:
+    args, cfg = vp.parse_config(
+        __doc__.splitlines()[0], default_out="runs/vit/profile", extra=add_schedule_args
+    )
+    require_positive(args, "active", "log_ops")
+    require_positive(args, "wait", "warmup", minimum=0)
+    run = start_run(args, task="task3_vit", logs=LOG)
+    cfg = vp.for_device(cfg, run.device)
+    data = vp.prepare_data(cfg)
+    train_loader, _ = vp.make_loaders(cfg, data)
+    trainer = vp.build_trainer(cfg, run.device, len(data.classes))
+    batches = endless(train_loader)
+    out, name = Path(args.out), cfg.pipeline
+    config = {**cfg.recorded(), "source": data.source, "device": str(run.device),
+              "wait": args.wait, "warmup": args.warmup, "active": args.active,
+              "run_id": run.run_id}  # fmt: skip
+    prof = torch_profile(trainer, batches, args, out, name)
+    print(log_and_write_tables(prof, run, config, args, out, name))
+    summary = layer_profile(trainer, batches, args, out, name)
+    (out / f"{name}_layers.txt").write_text(summary)
+    print(f"\nLayer profile ({name}, {args.active} active iterations on {run.where}):\n{summary}")
+    print(f"\nwritten to {out}: {LOG}, {name}_ops.txt, {name}_torch_trace.json, "
+          f"{name}_layers.txt, {name}_layers_trace.json")  # fmt: skip
+
+
+if __name__ == "__main__":
+    run_main(main)

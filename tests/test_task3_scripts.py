@@ -1,0 +1,199 @@
+"""The task-3 training script: presets and flag checks, its metrics against hand-computed ones,
+and a --quick epoch of each pipeline end to end on the CPU."""
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from effdl.cli import UsageError
+from effdl.results import read_records
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK3 = ROOT / "task3_vit_profiling"
+
+
+def load_script(name: str):
+    """A task-3 script as a module (it imports its sibling vit_pipeline.py by name)."""
+    sys.path.insert(0, str(TASK3))
+    try:
+        spec = importlib.util.spec_from_file_location(f"task3_{name}", TASK3 / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(TASK3))
+    return module
+
+
+train = load_script("train")
+vp = train.vp
+PRESETS = [preset for pair in vp.PRESETS.values() for preset in pair]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_are_valid(preset):
+    preset.validate()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"batch_size": 0}, "--batch-size must be >= 1, got 0"),
+        ({"model": "huge"}, r"--model: unknown \['huge'\]"),
+        ({"precision": "fp8"}, r"--precision: unknown \['fp8'\]"),
+        ({"workers": -1}, "--workers must be >= 0, got -1"),
+        ({"max_images": 4}, "--max-images must be >= 10, got 4"),
+        ({"min_side": 500, "max_side": 400}, "--max-side 400 is below --min-side 500"),
+    ],
+)
+def test_validation_names_the_flag(change, message):
+    with pytest.raises(UsageError, match=message):
+        dataclasses.replace(vp.AS_GIVEN, **change).validate()
+
+
+def test_the_presets_differ_in_every_fix():
+    same = {
+        f.name
+        for f in dataclasses.fields(vp.PipelineConfig)
+        if getattr(vp.AS_GIVEN, f.name) == getattr(vp.FIXED, f.name)
+    }
+    settings = {"data", "data_cache", "n_images", "min_side", "max_side", "max_images", "depth",
+                "batch_size", "lr", "generate_workers"}  # fmt: skip
+    assert same == settings | {"compile"}
+
+
+def test_auto_fields_and_cuda_only_options_follow_the_device():
+    cpu = vp.for_device(vp.FIXED, torch.device("cpu"))
+    assert (cpu.precision, cpu.pin_memory, cpu.fused_adam) == ("fp32", False, False)
+    assert isinstance(cpu.workers, int) and 1 <= cpu.workers <= 16
+    cuda = vp.for_device(vp.FIXED, torch.device("cuda", 0))
+    assert (cuda.precision, cuda.pin_memory, cuda.fused_adam) == ("bf16", True, True)
+    assert vp.for_device(vp.AS_GIVEN, torch.device("cuda", 0)).workers == 0
+
+
+def phase(losses, accuracies, sizes, wait_s, step_s, wall_s=2.0):
+    return vp.PhaseResult(losses, accuracies, sizes, wait_s, step_s, wall_s, float("nan"))
+
+
+def test_metrics_against_hand_computed_values():
+    tr = phase([2.0, 1.0, 1.0, 0.5], [0.0, 0.25, 0.5, 0.5], [4, 4, 4, 2],
+               [3.0, 0.1, 0.2, 0.1], [0.5, 0.5, 0.5, 0.4], wall_s=6.0)  # fmt: skip
+    val = phase([1.0, 3.0], [0.5, 1.0], [4, 2], [0.2, 0.0], [0.1, 0.1], wall_s=1.0)
+    given = train.epoch_metrics(vp.AS_GIVEN, tr, val)
+    assert given["images"] == 20 and given["images_per_s"] == pytest.approx(20 / 7.0)
+    assert given["train_loss"] == pytest.approx((8 + 4 + 4 + 1) / 14)
+    assert given["train_wait_over_step"] == pytest.approx(0.4 / 1.4)  # the first wait left out
+    assert given["val_loss"] == pytest.approx((4 + 6) / 6)
+    assert given["val_accuracy"] == pytest.approx((2 + 2) / 6)
+    # as given: sums of batch means over the 4 training batches
+    assert given["val_loss_reported"] == pytest.approx(4.0 / 4)
+    assert given["val_accuracy_reported"] == pytest.approx(1.5 / 4)
+    fixed = train.epoch_metrics(vp.FIXED, tr, val)
+    assert fixed["val_loss_reported"] == pytest.approx(given["val_loss"])
+
+
+def test_batch_stats_read_at_once_or_at_the_end_agree():
+    torch.manual_seed(0)
+    batches = [(torch.rand(()), torch.randn(5, 3), torch.randint(0, 3, (5,))) for _ in range(4)]
+    results = []
+    for sync in (True, False):
+        stats = vp.BatchStats(sync)
+        for batch in batches:
+            stats.add(*batch)
+        results.append(stats.host())
+    assert results[0][0] == pytest.approx(results[1][0]) and results[0][1] == results[1][1]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("task3_cache")
+
+
+def run_script(*args, out: Path, cache: Path):
+    argv = [sys.executable, str(TASK3 / "train.py"), "--quick", "--out", str(out),
+            "--data-cache", str(cache), *args]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("pipeline", vp.PIPELINES)
+def test_quick_epoch_writes_one_record(pipeline, tmp_path, data_cache):
+    res = run_script("--pipeline", pipeline, "--max-images", "40", out=tmp_path, cache=data_cache)
+    assert res.returncode == 0, res.stderr
+    (record,) = read_records(tmp_path / "vit_pipeline.jsonl")
+    config, m = record["config"], record["metrics"]
+    assert record["variant"] == pipeline and config["pipeline"] == pipeline
+    assert config["model"] == pipeline and config["depth"] == 2 and config["device"] == "cpu"
+    assert config["source"] == "clothing_like:120:160-400px"
+    assert (m["n_train"], m["n_val"], m["train_batches"], m["val_batches"]) == (32, 8, 1, 1)
+    assert m["images_per_s"] == pytest.approx(40 / m["epoch_s"])
+    assert m["epoch_s"] == pytest.approx(m["train_s"] + m["val_s"])
+    assert m["train_step_s_n"] == 1 and m["train_wait_s"] > 0 and m["train_step_s"] > 0
+    assert 0 <= m["val_accuracy"] <= 1 and m["val_loss"] > 0
+    assert m["peak_mem_gib"] == "nan"  # no allocator statistics on the CPU
+    assert f"{pipeline}  " in res.stdout.split("One epoch on")[1]
+
+
+def test_bad_data_path_is_one_line_naming_it(tmp_path):
+    res = run_script("--data", str(tmp_path / "nowhere"), out=tmp_path, cache=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--data" in lines[0] and "nowhere does not exist" in lines[0]
+    assert not (tmp_path / "vit_pipeline.jsonl").read_text()  # opened, nothing logged
+
+
+def test_a_folder_without_the_csv_is_a_usage_error(tmp_path):
+    (tmp_path / "images_original").mkdir()
+    with pytest.raises(UsageError, match=r"^--data: .*images.csv is missing"):
+        vp.prepare_data(dataclasses.replace(vp.AS_GIVEN, data=tmp_path))
+
+
+def test_a_last_training_batch_of_one_is_refused_before_training(tmp_path, data_cache):
+    cfg = dataclasses.replace(vp.PRESETS["as_given"][1], data_cache=data_cache, max_images=40)
+    data = vp.prepare_data(cfg)
+    with pytest.raises(UsageError, match="batch of 1"):
+        vp.make_loaders(dataclasses.replace(cfg, batch_size=31), data)
+
+
+def steps_under_sync_check(preset: "vp.PipelineConfig", batch_images: torch.Tensor, n: int = 3):
+    """``n`` training steps of ``preset`` (2 blocks) on CUDA after a first, unchecked one (lazy
+    initialisation), with any host-device synchronisation raising."""
+    device = torch.device("cuda")
+    cfg = vp.for_device(dataclasses.replace(preset, depth=2, batch_size=8), device)
+    trainer = vp.build_trainer(cfg, device, num_classes=20)
+    labels = torch.randint(0, 20, (8,))
+    batch = (
+        (batch_images.pin_memory(), labels.pin_memory())
+        if cfg.pin_memory
+        else (batch_images, labels)
+    )
+    stats = vp.BatchStats(cfg.sync_every_step)
+    trainer.model.train()
+
+    def step():
+        x, y = trainer.to_device(batch)
+        stats.add(*trainer.train_step(x, y), y)
+
+    step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(n):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_the_fixed_training_step_never_waits_for_the_gpu():
+    steps_under_sync_check(vp.FIXED, torch.randint(0, 256, (8, 3, 224, 224), dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_the_training_step_as_given_waits_for_the_gpu():
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        steps_under_sync_check(vp.AS_GIVEN, torch.rand(8, 3, 224, 224))
