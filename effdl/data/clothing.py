@@ -40,7 +40,7 @@ import torchvision.transforms.functional as TF
 from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 
-from effdl.data.images import _pool, _workers
+from effdl.data.process_pool import map_in_processes
 
 CSV_NAME, IMAGE_DIR = "images.csv", "images_original"
 COLUMNS = ("image", "sender_id", "label", "kids")
@@ -330,14 +330,8 @@ def _write_image(args: tuple[str, str, int, int, int, int, Path]) -> None:
 
 
 def _write_images(jobs: list[tuple], workers: int | None) -> None:
-    n_workers = min(_workers(workers), len(jobs))
-    if n_workers == 1:
-        for job in jobs:
-            _write_image(job)
-        return
-    with _pool(n_workers) as pool:
-        for _ in pool.imap_unordered(_write_image, jobs, chunksize=4):
-            pass
+    for _ in map_in_processes(_write_image, jobs, workers, chunksize=4, ordered=False):
+        pass
 
 
 def clothing_like_frame(n_images: int, seed: int) -> pd.DataFrame:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -26,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
+
+from effdl.data.process_pool import map_in_processes
 
 IMAGE_DIR, MASK_DIR, MASK_SUFFIX = "train", "train_masks", "_mask.gif"
 
@@ -84,16 +85,6 @@ class SegmentationTensors:
         return len(self.names)
 
 
-def _pool(workers: int):
-    # fork: workers need no re-import and the parent has not touched CUDA at this point.
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    return mp.get_context(method).Pool(workers)
-
-
-def _workers(workers: int | None) -> int:
-    return max(1, workers if workers is not None else min(os.cpu_count() or 1, 16))
-
-
 def load_carvana_tensors(
     root: str | os.PathLike,
     size: int = 256,
@@ -121,13 +112,7 @@ def load_carvana_tensors(
     images = torch.empty((len(pairs), 3, size, size), dtype=torch.uint8)
     masks = torch.empty((len(pairs), size, size), dtype=torch.uint8)
     jobs = [(img, msk, size) for img, msk in pairs]
-    n_workers = min(_workers(workers), len(jobs))
-    if n_workers == 1:
-        results = map(_load_pair_args, jobs)
-        _fill(images, masks, results)
-    else:
-        with _pool(n_workers) as pool:
-            _fill(images, masks, pool.imap(_load_pair_args, jobs, chunksize=16))
+    _fill(images, masks, map_in_processes(_load_pair_args, jobs, workers, chunksize=16))
     data = SegmentationTensors(images, masks, [img.stem for img, _ in pairs])
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -303,14 +288,8 @@ def generate_synthetic_carvana(
     (tmp / IMAGE_DIR).mkdir(parents=True)
     (tmp / MASK_DIR).mkdir()
     jobs = [(config, i, tmp) for i in range(config.n_images)]
-    n_workers = min(_workers(workers), len(jobs))
-    if n_workers == 1:
-        for job in jobs:
-            _write_one(job)
-    else:
-        with _pool(n_workers) as pool:
-            for _ in pool.imap_unordered(_write_one, jobs, chunksize=8):
-                pass
+    for _ in map_in_processes(_write_one, jobs, workers, chunksize=8, ordered=False):
+        pass
     (tmp / "synthetic.json").write_text(stamp)
     shutil.rmtree(root, ignore_errors=True)
     os.replace(tmp, root)
