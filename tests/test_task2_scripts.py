@@ -1,25 +1,11 @@
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from effdl.profiling.epoch import EpochTiming
-
-TASK2 = Path(__file__).resolve().parent.parent / "task2_batching"
+from tests.script_loading import load_script as load_task_script
 
 
 def load_script(name: str):
-    """A task-2 script as a module (it imports its sibling pipeline_runs.py by name)."""
-    sys.path.insert(0, str(TASK2))
-    try:
-        spec = importlib.util.spec_from_file_location(f"task2_{name}", TASK2 / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(TASK2))
-    return module
+    return load_task_script("task2_batching", name)
 
 
 def test_epoch_is_set_against_the_run_yardstick_and_the_adjacent_one():

@@ -2,7 +2,6 @@
 and a --quick epoch of each pipeline end to end on the CPU."""
 
 import dataclasses
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,22 +11,14 @@ import torch
 
 from effdl.cli import UsageError
 from effdl.results import read_records
+from tests.script_loading import load_script as load_task_script
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK3 = ROOT / "task3_vit_profiling"
 
 
 def load_script(name: str):
-    """A task-3 script as a module (it imports its sibling vit_pipeline.py by name)."""
-    sys.path.insert(0, str(TASK3))
-    try:
-        spec = importlib.util.spec_from_file_location(f"task3_{name}", TASK3 / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(TASK3))
-    return module
+    return load_task_script("task3_vit_profiling", name)
 
 
 train = load_script("train")
