@@ -8,6 +8,7 @@ crashes leaves every earlier line intact and no partial line behind.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -49,10 +50,20 @@ def _git_sha() -> str:
     return sha + ("-dirty" if dirty else "")
 
 
+def _gpu_id() -> str | None:
+    """A short stable tag of the current GPU (hash of its UUID), so runs on two hosts with the
+    same GPU model can be told apart without publishing the device's identity."""
+    if not torch.cuda.is_available():
+        return None
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    return hashlib.sha256(uuid.encode()).hexdigest()[:8]
+
+
 def environment() -> dict[str, str | int | None]:
-    """Where a measurement was taken: GPU name (or CPU), versions, git sha, UTC time."""
+    """Where a measurement was taken: GPU name and tag (or CPU), versions, git sha, UTC time."""
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpu_id": _gpu_id(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,

@@ -56,11 +56,13 @@ from effdl.data.clothing import (
 )
 from effdl.models.vit import PRESETS as MODEL_PRESETS
 from effdl.models.vit import ViT
+from effdl.ops.batched_augmix import BatchedAugMix
 from effdl.profiling.timing import RegionTimer, peak_memory
 
 AUTO = "auto"
 PIPELINES = ("as_given", "fixed")
 DATA_PATHS = ("as_given", "fixed")
+AUGMIX_PLACES = (AUTO, "loader", "device")
 PRECISIONS = (AUTO, "fp32", "bf16")
 CUDNN_MODES = ("deterministic", "benchmark")
 VAL_DIVISORS = ("train_batches", "val_images")
@@ -89,6 +91,7 @@ class PipelineConfig:
     batch_size: int = 256
     lr: float = 3e-5
     data_path: str = "as_given"  # Dataset + transforms
+    augmix_on: str = "loader"  # fixed data path: per image in the loader, or per batch on device
     workers: int | str = 0
     pin_memory: bool = False
     non_blocking: bool = False
@@ -106,6 +109,12 @@ class PipelineConfig:
         require_choices(self, "pipeline", PIPELINES)
         require_choices(self, "model", MODEL_PRESETS)
         require_choices(self, "data_path", DATA_PATHS)
+        require_choices(self, "augmix_on", AUGMIX_PLACES)
+        if self.data_path == "as_given" and self.augmix_on == "device":
+            raise UsageError(
+                f"--augmix-on {self.augmix_on}: the as-given data path applies AugMix in the "
+                "loader only; use --data-path fixed"
+            )
         require_choices(self, "precision", PRECISIONS)
         require_choices(self, "cudnn", CUDNN_MODES)
         require_choices(self, "val_divisor", VAL_DIVISORS)
@@ -133,6 +142,7 @@ FIXED = replace(
     pipeline="fixed",
     model="fixed",
     data_path="fixed",
+    augmix_on=AUTO,
     workers=AUTO,
     pin_memory=True,
     non_blocking=True,
@@ -192,6 +202,12 @@ def add_flags(flags: ConfigFlags) -> None:
     flags.add("batch_size", type=int)
     flags.add("lr", type=float, help="Adam learning rate")
     flags.add("data_path", choices=DATA_PATHS, help="Dataset and transforms")
+    flags.add(
+        "augmix_on",
+        choices=AUGMIX_PLACES,
+        help="fixed data path: AugMix per image in the loader or per batch on the device "
+        "(auto: the device on CUDA, the loader's workers on the CPU)",
+    )
     flags.add("workers", type=int_or_auto, help="DataLoader workers; auto = min(16, CPUs)")
     flags.add("pin_memory", help="pinned host batches (CUDA only)", **on_off)
     flags.add("non_blocking", help="asynchronous host-to-device copies", **on_off)
@@ -216,6 +232,11 @@ def for_device(cfg: PipelineConfig, device: torch.device) -> PipelineConfig:
         cfg,
         workers=min(16, os.cpu_count() or 1) if cfg.workers == AUTO else cfg.workers,
         precision=("bf16" if cuda else "fp32") if cfg.precision == AUTO else cfg.precision,
+        augmix_on=(
+            ("device" if cuda and cfg.data_path == "fixed" else "loader")
+            if cfg.augmix_on == AUTO
+            else cfg.augmix_on
+        ),
         pin_memory=cfg.pin_memory and cuda,
         fused_adam=cfg.fused_adam and cuda,
     )
@@ -271,7 +292,7 @@ def make_loaders(cfg: PipelineConfig, data: ClothingData) -> tuple[DataLoader, D
         train = AsGivenClothingDataset(data.root, train_frame, train_t)
         val = AsGivenClothingDataset(data.root, val_frame, val_t)
     else:
-        train_t, val_t = fixed_transforms()
+        train_t, val_t = fixed_transforms(augmix=cfg.augmix_on == "loader")
         train = ClothingDataset(data.root, train_frame, data.classes, train_t)
         val = ClothingDataset(data.root, val_frame, data.classes, val_t)
     options = {"batch_size": cfg.batch_size, "num_workers": cfg.workers,
@@ -282,11 +303,19 @@ def make_loaders(cfg: PipelineConfig, data: ClothingData) -> tuple[DataLoader, D
 
 
 def input_transform(
-    cfg: PipelineConfig, device: torch.device
+    cfg: PipelineConfig, device: torch.device, train: bool
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """What a batch on the device goes through before the model: nothing for the float batches
-    of the data path as given, uint8 -> normalised float for the fixed one."""
-    return (lambda x: x) if cfg.data_path == "as_given" else DeviceNormalize(device)
+    of the data path as given; for the fixed one, AugMix on training batches when it runs on the
+    device (draws from a generator on the device: no host sync), then uint8 -> normalised
+    float."""
+    if cfg.data_path == "as_given":
+        return lambda x: x
+    normalize = DeviceNormalize(device)
+    if not (train and cfg.augmix_on == "device"):
+        return normalize
+    augmix = BatchedAugMix(generator=torch.Generator(device).manual_seed(torch.initial_seed()))
+    return lambda x: normalize(augmix(x))
 
 
 # ---- model and step --------------------------------------------------------------------------
@@ -300,15 +329,19 @@ class Trainer:
     device: torch.device
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    prepare: Callable[[torch.Tensor], torch.Tensor]
+    prepare_train: Callable[[torch.Tensor], torch.Tensor]
+    prepare_eval: Callable[[torch.Tensor], torch.Tensor]
     n_params: int
 
     def to_device(
-        self, batch: tuple[torch.Tensor, torch.Tensor]
+        self, batch: tuple[torch.Tensor, torch.Tensor], train: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch on the device, images as the model takes them (augmented when ``train``
+        and AugMix runs on the device)."""
         images, labels = batch
         non_blocking = self.cfg.non_blocking
-        x = self.prepare(images.to(self.device, non_blocking=non_blocking))
+        prepare = self.prepare_train if train else self.prepare_eval
+        x = prepare(images.to(self.device, non_blocking=non_blocking))
         return x, labels.to(self.device, non_blocking=non_blocking)
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -340,7 +373,8 @@ def build_trainer(cfg: PipelineConfig, device: torch.device, num_classes: int) -
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=cfg.fused_adam or None)
     compiled = torch.compile(model) if cfg.compile else model
-    return Trainer(cfg, device, compiled, optimizer, input_transform(cfg, device), n_params)
+    return Trainer(cfg, device, compiled, optimizer, input_transform(cfg, device, train=True),
+                   input_transform(cfg, device, train=False), n_params)  # fmt: skip
 
 
 # ---- one pass over a loader ------------------------------------------------------------------
@@ -424,7 +458,7 @@ def run_phase(trainer: Trainer, loader: DataLoader, train: bool) -> PhaseResult:
         start = time.perf_counter()
         for batch in timed_batches(loader, waits, "train" if train else "val"):
             with timer.region():
-                x, y = trainer.to_device(batch)
+                x, y = trainer.to_device(batch, train)
                 loss, logits = step(x, y)
                 stats.add(loss, logits, y)
         losses, accuracies = stats.host()

@@ -90,6 +90,8 @@ def test_environment_describes_this_process(monkeypatch):
     assert env["torch"] == torch.__version__
     assert env["python"] == platform.python_version()
     assert env["gpu"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    assert (env["gpu_id"] is None) == (not torch.cuda.is_available())
+    assert env["gpu_id"] == environment()["gpu_id"]  # stable within a machine
     taken = dt.datetime.fromisoformat(env["time"])
     assert abs((dt.datetime.now(dt.timezone.utc) - taken).total_seconds()) < 60
     head = subprocess.run(

@@ -40,6 +40,8 @@ def test_presets_are_valid(preset):
         ({"workers": -1}, "--workers must be >= 0, got -1"),
         ({"max_images": 4}, "--max-images must be >= 10, got 4"),
         ({"min_side": 500, "max_side": 400}, "--max-side 400 is below --min-side 500"),
+        ({"augmix_on": "gpu"}, r"--augmix-on: unknown \['gpu'\]"),
+        ({"augmix_on": "device"}, "--augmix-on device: the as-given data path"),
     ],
 )
 def test_validation_names_the_flag(change, message):
@@ -65,6 +67,27 @@ def test_auto_fields_and_cuda_only_options_follow_the_device():
     cuda = vp.for_device(vp.FIXED, torch.device("cuda", 0))
     assert (cuda.precision, cuda.pin_memory, cuda.fused_adam) == ("bf16", True, True)
     assert vp.for_device(vp.AS_GIVEN, torch.device("cuda", 0)).workers == 0
+    assert (cpu.augmix_on, cuda.augmix_on) == ("loader", "device")
+    as_given_path = dataclasses.replace(vp.FIXED, data_path="as_given")
+    assert vp.for_device(as_given_path, torch.device("cuda", 0)).augmix_on == "loader"
+
+
+def test_augmix_moves_from_the_train_transforms_to_the_device():
+    device = torch.device("cpu")
+    on_device = dataclasses.replace(vp.FIXED, augmix_on="device")
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    normalize = vp.DeviceNormalize(device)
+    # validation batches are only normalised; training batches are augmented first
+    assert torch.equal(
+        vp.input_transform(on_device, device, train=False)(images), normalize(images)
+    )
+    torch.manual_seed(0)
+    augmented = vp.input_transform(on_device, device, train=True)(images)
+    assert augmented.shape == images.shape and not torch.equal(augmented, normalize(images))
+    for place, has_augmix in (("device", False), ("loader", True)):
+        cfg = dataclasses.replace(vp.FIXED, augmix_on=place)
+        train_t = vp.fixed_transforms(augmix=cfg.augmix_on == "loader")[0]
+        assert any(type(t).__name__ == "AugMix" for t in train_t.transforms) == has_augmix
 
 
 def phase(losses, accuracies, sizes, wait_s, step_s, wall_s=2.0):
@@ -127,6 +150,14 @@ def test_quick_epoch_writes_one_record(pipeline, tmp_path, data_cache):
     assert 0 <= m["val_accuracy"] <= 1 and m["val_loss"] > 0
     assert m["peak_mem_gib"] == "nan"  # no allocator statistics on the CPU
     assert f"{pipeline}  " in res.stdout.split("One epoch on")[1]
+
+
+def test_quick_epoch_with_augmix_on_the_device(tmp_path, data_cache):
+    res = run_script("--pipeline", "fixed", "--augmix-on", "device", "--max-images", "40",
+                     out=tmp_path, cache=data_cache)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    (record,) = read_records(tmp_path / "vit_pipeline.jsonl")
+    assert record["config"]["augmix_on"] == "device" and record["metrics"]["n_train"] == 32
 
 
 def test_bad_data_path_is_one_line_naming_it(tmp_path):

@@ -17,7 +17,8 @@ Two data paths over the same 80/20 split (:func:`split_frame`, pandas ``frame.sa
   >= 320 per side, so large photos cost a fraction of a full decode; the central-224 crop and the
   random resized crop are one crop + resize (:class:`CenterRandomResizedCrop`, the same
   distribution of boxes, one resample fewer); AugMix stays (it is the recipe's augmentation),
-  applied to the uint8 tensor (torchvision converts a PIL input to one and back anyway); items
+  applied to the uint8 tensor (torchvision converts a PIL input to one and back anyway) or left
+  to the device, where one batched kernel set augments the whole batch; items
   are uint8 tensors (4x fewer bytes through worker queues and the host-to-device copy),
   made float and normalised on the device by :class:`DeviceNormalize` (Normalize is added).
 """
@@ -169,11 +170,13 @@ class CenterRandomResizedCrop:
         return TF.resized_crop(image, top + i, left + j, h, w, self.size, antialias=True)
 
 
-def fixed_transforms() -> tuple[Callable, Callable]:
-    """(train, val) of the fixed path: PIL in (decoded at >= 320 per side), uint8 tensor out."""
+def fixed_transforms(augmix: bool = True) -> tuple[Callable, Callable]:
+    """(train, val) of the fixed path: PIL in (decoded at >= 320 per side), uint8 tensor out.
+    ``augmix=False`` leaves AugMix to the device (:class:`effdl.ops.batched_augmix.BatchedAugMix`
+    on the whole batch)."""
     train = T.Compose([
         T.Resize((RESIZE, RESIZE)), CenterRandomResizedCrop(CROP, CROP),
-        T.RandomHorizontalFlip(), T.PILToTensor(), T.AugMix(),
+        T.RandomHorizontalFlip(), T.PILToTensor(), *([T.AugMix()] if augmix else []),
     ])  # fmt: skip
     val = T.Compose([T.Resize((RESIZE, RESIZE)), T.CenterCrop(CROP), T.PILToTensor()])
     return train, val
