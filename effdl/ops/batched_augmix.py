@@ -178,9 +178,11 @@ class BatchedAugMix(nn.Module):
             ops = ops.masked_fill(past_depth, NO_OP)
 
         table = magnitude_table(height, width, draw_on)
+        # built by comparisons, not item assignment (a CUDA setitem from a Python value syncs)
         signed = torch.ones(len(OPS), dtype=torch.bool, device=draw_on)
+        op_index = torch.arange(len(OPS), device=draw_on)
         for name in UNSIGNED_OPS:
-            signed[_OP[name]] = False
+            signed &= op_index != _OP[name]
         op = ops.clamp(min=0)
         magnitudes = table[op, bins]
         magnitudes = torch.where(negative & signed[op], -magnitudes, magnitudes)
@@ -287,8 +289,9 @@ def _saturate(images: torch.Tensor, gray: torch.Tensor, factor: _Factor) -> torc
 def _sharpen(images: torch.Tensor, factor: _Factor) -> torch.Tensor:
     """``adjust_sharpness`` with a per-sample factor: the interior blends towards the rounded
     3x3 smoothing (1s around, 5 in the middle, over 13); the border row and column stay."""
-    kernel = torch.full((3, 1, 3, 3), 1.0 / 13.0, device=images.device)
-    kernel[..., 1, 1] = 5.0 / 13.0
+    taps = torch.arange(3, device=images.device)
+    centre = (taps.view(3, 1) == 1) & (taps == 1)
+    kernel = torch.where(centre, 5.0 / 13.0, 1.0 / 13.0).expand(3, 1, 3, 3)
     out = images.float()
     blurred = F.conv2d(out, kernel, groups=3).round_()
     interior = out[..., 1:-1, 1:-1]
