@@ -13,6 +13,13 @@ consecutive batches of one loader, with the same wait/warmup/active schedule. Wr
 - ``<pipeline>_torch_trace.json``: the Chrome trace of the active iterations (Perfetto opens it);
 - ``<pipeline>_layers.txt`` and ``<pipeline>_layers_trace.json``: Profile's summary and trace.
 
+The same log also gets, per run: ``range`` records (host time of each named range per active
+iteration, and the device time of the kernels launched inside it: data loading against GPU work,
+from the trace), ``layer_compare`` records (each module's forward: Profile's CUDA-event time per
+call against the device time torch.profiler attributes to its range), and one ``overhead`` record
+(median step time on one resident batch with every module hooked and recorded by Profile against
+the bare step, in interleaved rounds, so the data loader plays no part).
+
     python task3_vit_profiling/profile_model.py --quick --pipeline fixed            # CPU
     python task3_vit_profiling/profile_model.py --device cuda --pipeline as_given --out runs/vit/profile
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,11 +36,14 @@ import vit_pipeline as vp
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from effdl.cli import Run, require_positive, run_main, start_run
+from effdl.cli import Run, print_table, require_positive, run_main, start_run
 from effdl.profiling import layer_profiler
+from effdl.profiling.timing import RegionTimer
 
 LOG = "vit_profile_ops.jsonl"
 MODULE_PREFIX = "module: "
+RANGES = ("data_wait", "to_device", "train_step", "batch_stats")
+STEP_PREFIX = "ProfilerStep"  # "ProfilerStep#N" per step, or one "ProfilerStep*" row
 
 
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +52,13 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--active", type=int, default=3, help="iterations recorded")
     p.add_argument("--row-limit", type=int, default=40, help="rows per printed table")
     p.add_argument("--log-ops", type=int, default=100, help="ops (by input shape) logged")
+    p.add_argument(
+        "--overhead-rounds",
+        type=int,
+        default=5,
+        help="interleaved bare/profiled rounds of the overhead measurement",
+    )
+    p.add_argument("--overhead-steps", type=int, default=10, help="timed steps per round")  # fmt: skip
 
 
 def endless(loader) -> Iterator:
@@ -110,13 +128,15 @@ def torch_profile(trainer: vp.Trainer, batches: Iterator, args, out: Path, name:
     return prof
 
 
-def layer_profile(trainer: vp.Trainer, batches: Iterator, args, out: Path, name: str) -> str:
-    """The layer Profile pass on the same schedule; writes its trace, returns its summary."""
+def layer_profile(
+    trainer: vp.Trainer, batches: Iterator, args, out: Path, name: str
+) -> layer_profiler.Profile:
+    """The layer Profile pass on the same schedule; writes its trace, returns the profile."""
     sched = layer_profiler.Schedule(wait=args.wait, warmup=args.warmup, active=args.active)
     with layer_profiler.Profile(trainer.model, name=f"vit_{name}", schedule=sched) as prof:
         run_iterations(trainer, batches, args.wait + args.warmup + args.active, prof.step)
     prof.to_perfetto(str(out / f"{name}_layers_trace.json"))
-    return str(prof.summary())
+    return prof
 
 
 def event_record(evt) -> dict:
@@ -159,11 +179,77 @@ def log_and_write_tables(prof, run: Run, config: dict, args, out: Path, name: st
     return tables["by op"]
 
 
+def range_records(prof, active: int) -> list[dict]:
+    """Per named range (and the whole iteration, ``step``): host time and the device time of the
+    kernels launched inside it, per active iteration, in ms."""
+    events = {e.key: e for e in prof.key_averages()}
+    steps = [e for key, e in events.items() if key.startswith(STEP_PREFIX)]
+    rows = [{"range": "step", "cpu_ms_per_iter": sum(e.cpu_time_total for e in steps) / active / 1e3,
+             "device_ms_per_iter": sum(getattr(e, "device_time_total", 0) for e in steps)
+             / active / 1e3}]  # fmt: skip
+    for name in RANGES:
+        if name in events:
+            e = events[name]
+            rows.append({"range": name, "cpu_ms_per_iter": e.cpu_time_total / active / 1e3,
+                         "device_ms_per_iter": getattr(e, "device_time_total", 0) / active / 1e3})  # fmt: skip
+    step_ms = rows[0]["cpu_ms_per_iter"]
+    for row in rows:
+        row["share_of_step"] = row["cpu_ms_per_iter"] / step_ms if step_ms else None
+    return rows
+
+
+def layer_comparison(prof, layers: list[dict]) -> list[dict]:
+    """Each module's forward per call: Profile's time against torch.profiler's device time of
+    the kernels in the module's range (host time on the CPU)."""
+    device = {}
+    for e in prof.key_averages():
+        if e.key.startswith(MODULE_PREFIX) and e.count:
+            path = e.key[len(MODULE_PREFIX) :].rsplit(": ", 1)[0]
+            total = getattr(e, "device_time_total", 0) or e.cpu_time_total
+            device[path] = total / e.count / 1e3
+    rows = []
+    for layer in layers:
+        theirs, ours = device.get(layer["path"]), layer["fwd_mean_ms"]
+        if theirs is None or ours is None:
+            continue
+        rows.append({"path": layer["path"], "module": layer["module"], "calls": layer["calls"],
+                     "profile_fwd_ms": ours, "torch_fwd_ms": theirs,
+                     "ratio": ours / theirs if theirs else None})  # fmt: skip
+    return rows
+
+
+def profile_overhead(trainer: vp.Trainer, batch, rounds: int, steps: int) -> dict:
+    """Median training-step time on one batch already on the device, bare and with Profile
+    recording every step of every module, in ``rounds`` interleaved rounds (device time: CUDA
+    events; host clock on the CPU)."""
+    x, y = trainer.to_device(batch)
+    trainer.model.train()
+
+    def timed(prof: layer_profiler.Profile | None) -> list[float]:
+        timer = RegionTimer(trainer.device)
+        for _ in range(steps):
+            with timer.region():
+                trainer.train_step(x, y)
+                if prof is not None:
+                    prof.step()
+        return timer.times()
+
+    timed(None)  # warm-up: lazy initialisation, cuDNN/cuBLAS choices
+    bare, hooked = [], []
+    for _ in range(rounds):
+        bare += timed(None)
+        with layer_profiler.Profile(trainer.model, name="overhead") as prof:
+            hooked += timed(prof)
+    b, h = statistics.median(bare), statistics.median(hooked)
+    return {"bare_step_ms_median": b * 1e3, "profiled_step_ms_median": h * 1e3,
+            "overhead": h / b - 1, "steps": len(bare), "rounds": rounds}  # fmt: skip
+
+
 def main() -> None:
     args, cfg = vp.parse_config(
         __doc__.splitlines()[0], default_out="runs/vit/profile", extra=add_schedule_args
     )
-    require_positive(args, "active", "log_ops")
+    require_positive(args, "active", "log_ops", "overhead_rounds", "overhead_steps")
     require_positive(args, "wait", "warmup", minimum=0)
     run = start_run(args, task="task3_vit", logs=LOG)
     cfg = vp.for_device(cfg, run.device)
@@ -177,9 +263,25 @@ def main() -> None:
               "run_id": run.run_id}  # fmt: skip
     prof = torch_profile(trainer, batches, args, out, name)
     print(log_and_write_tables(prof, run, config, args, out, name))
-    summary = layer_profile(trainer, batches, args, out, name)
+    for row in range_records(prof, args.active):
+        run.log.log(name, {**config, "kind": "range"}, row)
+    layers = layer_profile(trainer, batches, args, out, name)
+    summary = str(layers.summary())
     (out / f"{name}_layers.txt").write_text(summary)
     print(f"\nLayer profile ({name}, {args.active} active iterations on {run.where}):\n{summary}")
+    compared = layer_comparison(prof, layers.records())
+    for row in compared:
+        run.log.log(name, {**config, "kind": "layer_compare"}, row)
+    overhead = profile_overhead(trainer, next(batches), args.overhead_rounds, args.overhead_steps)
+    run.log.log(name, {**config, "kind": "overhead"}, overhead)
+    print_table(
+        sorted(compared, key=lambda r: -r["torch_fwd_ms"])[:15],
+        title="Forward per call: Profile vs torch.profiler (ms), slowest 15",
+    )
+    print(
+        f"Profile overhead on a resident batch: {overhead['overhead']:+.1%} "
+        f"({overhead['bare_step_ms_median']:.2f} -> {overhead['profiled_step_ms_median']:.2f} ms)"
+    )
     print(f"\nwritten to {out}: {LOG}, {name}_ops.txt, {name}_torch_trace.json, "
           f"{name}_layers.txt, {name}_layers_trace.json")  # fmt: skip
 

@@ -219,3 +219,27 @@ def test_the_fixed_training_step_never_waits_for_the_gpu():
 def test_the_training_step_as_given_waits_for_the_gpu():
     with pytest.raises(RuntimeError, match="synchroniz"):
         steps_under_sync_check(vp.AS_GIVEN, torch.rand(8, 3, 224, 224))
+
+
+def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
+    argv = [sys.executable, str(TASK3 / "profile_model.py"), "--quick", "--pipeline", "fixed",
+            "--max-images", "40", "--data-cache", str(data_cache), "--out", str(tmp_path),
+            "--wait", "0", "--warmup", "0", "--active", "1", "--overhead-rounds", "1",
+            "--overhead-steps", "1"]  # fmt: skip
+    res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    records = read_records(tmp_path / "vit_profile_ops.jsonl")
+    kinds = {r["config"]["kind"] for r in records}
+    assert kinds == {"module", "op", "range", "layer_compare", "overhead"}
+    ranges = {
+        r["metrics"]["range"]: r["metrics"] for r in records if r["config"]["kind"] == "range"
+    }
+    assert set(ranges) == {"step", "data_wait", "to_device", "train_step", "batch_stats"}
+    parts = sum(ranges[n]["cpu_ms_per_iter"] for n in ranges if n != "step")
+    assert parts <= ranges["step"]["cpu_ms_per_iter"] * 1.01  # the ranges nest in the iteration
+    compared = [r["metrics"] for r in records if r["config"]["kind"] == "layer_compare"]
+    assert {"transformer", "mlp_head"} <= {r["path"] for r in compared}
+    (overhead,) = [r["metrics"] for r in records if r["config"]["kind"] == "overhead"]
+    assert overhead["steps"] == 1 and overhead["bare_step_ms_median"] > 0
+    for name in ("fixed_ops.txt", "fixed_torch_trace.json", "fixed_layers_trace.json"):
+        assert (tmp_path / name).stat().st_size > 0
