@@ -34,6 +34,7 @@ from pathlib import Path
 
 import vit_pipeline as vp
 from torch import nn
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from effdl.cli import Run, print_table, require_positive, run_main, start_run
@@ -180,22 +181,31 @@ def log_and_write_tables(prof, run: Run, config: dict, args, out: Path, name: st
 
 
 def range_records(prof, active: int) -> list[dict]:
-    """Per named range (and the whole iteration, ``step``): host time and the device time of the
-    kernels launched inside it, per active iteration, in ms."""
-    events = {e.key: e for e in prof.key_averages()}
-    steps = [e for key, e in events.items() if key.startswith(STEP_PREFIX)]
-    rows = [{"range": "step", "cpu_ms_per_iter": sum(e.cpu_time_total for e in steps) / active / 1e3,
-             "device_ms_per_iter": sum(getattr(e, "device_time_total", 0) for e in steps)
-             / active / 1e3}]  # fmt: skip
-    for name in RANGES:
-        if name in events:
-            e = events[name]
-            rows.append({"range": name, "cpu_ms_per_iter": e.cpu_time_total / active / 1e3,
-                         "device_ms_per_iter": getattr(e, "device_time_total", 0) / active / 1e3})  # fmt: skip
-    step_ms = rows[0]["cpu_ms_per_iter"]
-    for row in rows:
+    """Per named range (and the whole iteration, ``step``), per active iteration, in ms: its host
+    time, the device time of the kernels launched inside it, and the length of its span on the
+    GPU's timeline (torch.profiler keeps a CPU row and a GPU-annotation row per range name)."""
+    cpu_rows, gpu_rows = {}, {}
+    for e in prof.key_averages():
+        name = "step" if e.key.startswith(STEP_PREFIX) else e.key
+        if name not in ("step", *RANGES):
+            continue
+        rows = cpu_rows if e.device_type == DeviceType.CPU else gpu_rows
+        rows.setdefault(name, []).append(e)
+    out = []
+    for name in ("step", *RANGES):
+        if name not in cpu_rows:
+            continue
+        cpu, gpu = cpu_rows[name], gpu_rows.get(name, [])
+        out.append({
+            "range": name,
+            "cpu_ms_per_iter": sum(e.cpu_time_total for e in cpu) / active / 1e3,
+            "device_ms_per_iter": sum(getattr(e, "device_time_total", 0) for e in cpu) / active / 1e3,
+            "gpu_span_ms_per_iter": sum(getattr(e, "device_time_total", 0) for e in gpu) / active / 1e3,
+        })  # fmt: skip
+    step_ms = out[0]["cpu_ms_per_iter"] if out and out[0]["range"] == "step" else None
+    for row in out:
         row["share_of_step"] = row["cpu_ms_per_iter"] / step_ms if step_ms else None
-    return rows
+    return out
 
 
 def layer_comparison(prof, layers: list[dict]) -> list[dict]:
