@@ -67,8 +67,12 @@ def setup_distributed(parallel: str, device_arg: str) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), device)
 
 
-def teardown_distributed() -> None:
+def teardown_distributed(finished: bool) -> None:
+    """Leave the process group; after a finished run all ranks leave together (a rank that
+    exits while another still uses gloo aborts it), after an error without waiting."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

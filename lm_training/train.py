@@ -311,10 +311,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick and args.device == "auto":
         args.device = "cpu"
     d = lm_setup.setup_distributed(cfg.parallel, args.device)
+    finished = False
     try:
         train(args, cfg, d)
+        finished = True
     finally:
-        lm_setup.teardown_distributed()
+        lm_setup.teardown_distributed(finished)
 
 
 def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
