@@ -260,3 +260,27 @@ def test_one_gpu_bf16_compiled_run_reports_mfu(cache, tmp_path):
     name = torch.cuda.get_device_name()
     assert summary["peak_gib"] > 0
     assert (summary["mfu"] is None) == (train.peak_bf16_tflops(name) is None)
+
+
+def test_data_deliverables_quick(cache, tmp_path):
+    cmd = [
+        sys.executable,
+        str(ROOT / "lm_training" / "data_deliverables.py"),
+        "--quick",
+        "--cache",
+        str(cache),
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        cmd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[:4000]
+    records = {r["variant"]: r["metrics"] for r in read_records(tmp_path / "lm_deliverables.jsonl")}
+    assert records["first_sample"]["n_tokens"] == 200
+    assert records["batch_padded"]["tokens"] == records["batch_packed"]["tokens"] == 4 * 256
+    assert records["params_8b"]["from_model"] == records["params_8b"]["closed_form"]
