@@ -245,7 +245,8 @@ def model_args(cfg: TrainConfig, tokenizer_vocab: int) -> TransformerModelArgs:
 
 def reference_entropy(path: Path, tokenizer, vocab: int, max_docs: int = 2000) -> float:
     """Unigram entropy (nats/token) of the first ``max_docs`` documents of ``path``."""
-    texts = pq.read_table(path, columns=[TEXT_COLUMN]).column(TEXT_COLUMN)[:max_docs].to_pylist()
+    first = next(pq.ParquetFile(path).iter_batches(batch_size=max_docs, columns=[TEXT_COLUMN]))
+    texts = first.column(TEXT_COLUMN).to_pylist()
     return unigram_entropy(token_counts(as_encoder(tokenizer), texts, vocab))
 
 
