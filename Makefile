@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 RUNS   := runs
 
 .PHONY: demo test test-gpu lint reports reports-commit clean \
-        demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu
+        demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu demo-lm
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,7 @@ lint: $(STAMP)
 # Every task in quick mode on embedded data, then the reports against those fresh logs.
 demo: $(STAMP)
 	@rm -rf $(RUNS)/demo-failed
-	@for t in demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu; do \
+	@for t in demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu demo-lm; do \
 	  $(MAKE) --no-print-directory $$t || { mkdir -p $(RUNS); touch $(RUNS)/demo-failed; echo "FAILED: $$t"; }; \
 	done
 	@$(MAKE) --no-print-directory reports
@@ -63,6 +63,10 @@ demo-swiglu: $(STAMP)
 	@echo "== swiglu_checkpoint: recomputation benchmark (quick)"
 	$(PY) swiglu_checkpoint/benchmark.py --quick --device cpu --out $(RUNS)/swiglu
 	$(PY) swiglu_checkpoint/probes/gemm_kernel_count.py --device cpu --out $(RUNS)/swiglu/probes
+demo-lm: $(STAMP)
+	@echo "== lm_training: tiny Llama on the stdlib corpus, seed-002 data answers (quick)"
+	$(PY) lm_training/train.py --quick --cache $(RUNS)/cache/lm --out $(RUNS)/lm_training
+	$(PY) lm_training/data_deliverables.py --quick --cache $(RUNS)/cache/lm --out $(RUNS)/lm_training
 
 # Executed copies + HTML of every reports/*.ipynb against the demo's fresh logs.
 reports: $(STAMP)

@@ -1,0 +1,210 @@
+"""The training script's data: which corpus and tokenizer, and per-rank batches of next-token pairs.
+
+Default data is the Python standard library corpus (effdl.data.stdlib_text) with its own BPE;
+``--data`` takes a parquet with a ``text`` column (as seed 002's) or a UTF-8 text file (one
+document per blank-line-separated block), ``--tokenizer`` a local Hugging Face tokenizer folder.
+
+Sharding keeps the global batch of a step independent of the number of processes: with W ranks
+and a per-rank batch B, rank r takes the stream's windows (or the sampler's indices) r, r + W,
+r + 2W, ..., so the union over ranks of one step's micro-batches is exactly the step of a single
+process with batch W * B. That is what lets a 2-process loss curve equal the 1-process one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+from effdl.cli import UsageError
+from effdl.data.corpus import CorpusFormatError
+from effdl.data.parquet import (
+    CollatorForCLM,
+    IterableParquetDataset,
+    ParquetDataset,
+    read_text_column,
+)
+from effdl.data.stdlib_text import content_hash, stdlib_bpe, stdlib_corpus, write_text_parquet
+from effdl.data.tokenize import load_hf_tokenizer
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (B, S) int64
+# Names other tokenizers give their begin-of-document token, tried when no config names it.
+BOS_CANDIDATES = ("<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where the text comes from: training parquet, held-out parquet (or None), a name for logs."""
+
+    name: str
+    train: Path
+    val: Path | None
+
+
+@dataclass(frozen=True)
+class Specials:
+    """Ids of the special tokens the pipelines need; ``pad`` only fills slots the collator
+    masks by position, so any id will do when the tokenizer has no pad token."""
+
+    bos: int
+    pad: int
+
+
+def text_file_parquet(path: Path, cache_dir: Path) -> Path:
+    """A UTF-8 text file as a parquet (cached by content hash): one document per block of
+    non-empty lines, blocks separated by blank lines."""
+    text = path.read_text(encoding="utf-8")
+    docs = [b.strip("\n") for b in re.split(r"\n\s*\n", text) if b.strip()]
+    if not docs:
+        raise UsageError(f"--data: {path} has no text")
+    out = cache_dir / f"{path.stem}-{content_hash(docs)[:12]}.parquet"
+    if not out.is_file():
+        write_text_parquet(docs, out, {"source": str(path)})
+    return out
+
+
+def resolve_data(
+    data: Path | None, eval_data: Path | None, cache_dir: Path, corpus_bytes: int | None
+) -> DataSource:
+    """The stdlib corpus (train + held-out split) by default, else the user's files."""
+    if data is None:
+        corpus = stdlib_corpus(cache_dir, max_bytes=corpus_bytes)
+        return DataSource(corpus.name, corpus.train, eval_data or corpus.val)
+    if not data.is_file():
+        raise UsageError(
+            f"--data: {data} is not a file (expected a parquet with a 'text' column or a .txt)"
+        )
+    train = data if data.suffix == ".parquet" else text_file_parquet(data, cache_dir)
+    try:
+        read_text_column(train)
+        if eval_data is not None:
+            read_text_column(eval_data)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"--data/--eval-data: {e}") from None
+    return DataSource(data.name, train, eval_data)
+
+
+def default_tokenizer(cache_dir: Path, corpus_bytes: int | None, vocab_size: int) -> Path:
+    """The byte-level BPE trained on the stdlib corpus (built once in ``cache_dir``)."""
+    return stdlib_bpe(stdlib_corpus(cache_dir, max_bytes=corpus_bytes), vocab_size)
+
+
+def load_tokenizer(folder: Path) -> tuple[Any, Specials]:
+    """A ``tokenizers.Tokenizer`` from a local folder and its BoS/pad ids.
+
+    The ids come from ``tokenizer_config.json`` when it names them, else from the vocabulary
+    (``<bos>``, ``<s>``, ...); a tokenizer without any BoS token is refused (the packed stream
+    separates documents with it)."""
+    try:
+        tok = load_hf_tokenizer(folder)
+    except CorpusFormatError as e:
+        raise UsageError(f"--tokenizer: {e}") from None
+    named = {}
+    config = Path(folder) / "tokenizer_config.json"
+    if config.is_file():
+        raw = json.loads(config.read_text(encoding="utf-8"))
+        for key in ("bos_token", "pad_token", "eos_token"):
+            value = raw.get(key)
+            named[key] = value.get("content") if isinstance(value, dict) else value
+    bos = _token_id(tok, [named.get("bos_token"), *BOS_CANDIDATES])
+    if bos is None:
+        raise UsageError(f"--tokenizer: {folder} has no begin-of-document token ({BOS_CANDIDATES})")
+    pad = _token_id(tok, [named.get("pad_token"), "<pad>", named.get("eos_token")])
+    return tok, Specials(bos=bos, pad=bos if pad is None else pad)
+
+
+def _token_id(tok: Any, names: list[str | None]) -> int | None:
+    for name in names:
+        if name is not None and tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
+    return None
+
+
+class RankShard(IterableDataset):
+    """Every ``world``-th item of an iterable dataset, starting at ``rank``."""
+
+    def __init__(self, dataset: IterableDataset, rank: int, world: int) -> None:
+        self.dataset, self.rank, self.world = dataset, rank, world
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.dataset), self.rank, None, self.world)
+
+
+def _pairs(batch: Any) -> Pair:
+    return batch[0], batch[1]  # a (inputs, labels) pair or a CLMBatch
+
+
+def train_loader(
+    source: DataSource,
+    tokenizer: Any,
+    specials: Specials,
+    *,
+    dataset: str,
+    seq_len: int,
+    batch_size: int,
+    samples: int,
+    rank: int,
+    world: int,
+    seed: int,
+    workers: int,
+    pin_memory: bool,
+) -> Iterator[Pair]:
+    """Micro-batches ``(inputs, labels)`` (B, S) of this rank, on the CPU, endlessly.
+
+    ``iterable``: the packed stream (IterableParquetDataset, cycling over the rows), sharded by
+    window. ``padded``: one document per sample (ParquetDataset + CollatorForCLM), ``samples``
+    of them in all ranks together, shuffled by a DistributedSampler (seeded) and cycled.
+    """
+    common = {
+        "batch_size": batch_size,
+        "num_workers": workers,
+        "pin_memory": pin_memory,
+        "persistent_workers": workers > 0,
+    }
+    if dataset == "iterable":
+        stream = IterableParquetDataset(source.train, tokenizer, seq_len, specials.bos, cycle=True)
+        loader = DataLoader(RankShard(stream, rank, world), **common)
+        return map(_pairs, loader)
+    docs = ParquetDataset(source.train, tokenizer, seq_len, samples, bos_id=specials.bos)
+    sampler = DistributedSampler(docs, world, rank, shuffle=True, seed=seed, drop_last=True)
+    loader = DataLoader(
+        docs,
+        sampler=sampler,
+        collate_fn=CollatorForCLM(seq_len, specials.pad),
+        drop_last=True,
+        **common,
+    )
+    return map(_pairs, itertools.chain.from_iterable(itertools.repeat(loader)))
+
+
+def eval_batches(
+    path: Path,
+    tokenizer: Any,
+    specials: Specials,
+    *,
+    seq_len: int,
+    batch_size: int,
+    n_batches: int,
+    rank: int,
+    world: int,
+) -> list[Pair]:
+    """The first ``n_batches`` packed batches of this rank from a held-out parquet (fewer if it
+    is short; the same ones at every evaluation)."""
+    stream = IterableParquetDataset(path, tokenizer, seq_len, specials.bos)
+    windows = list(itertools.islice(RankShard(stream, rank, world), n_batches * batch_size))
+    if len(windows) < batch_size:
+        raise UsageError(
+            f"{path}: too little held-out text for one batch of {batch_size} x {seq_len}"
+        )
+    out = []
+    for i in range(0, len(windows) - batch_size + 1, batch_size):
+        chunk = windows[i : i + batch_size]
+        out.append((torch.stack([x for x, _ in chunk]), torch.stack([y for _, y in chunk])))
+    return out

@@ -1,0 +1,286 @@
+"""lm_training: flags and presets, the LR schedule by hand, rank sharding against one process,
+the throughput arithmetic, a --quick run's records, a falling loss on the stdlib corpus, and
+DDP / FSDP2 runs under torchrun (gloo) whose losses equal the single-process run's."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from effdl.cli import UsageError
+from effdl.results import read_records
+from tests.script_loading import load_script
+
+ROOT = Path(__file__).resolve().parent.parent
+train = load_script("lm_training", "train")
+lm_data, lm_setup = train.lm_data, train.lm_setup
+QUICK_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The quick corpus and its BPE, built once for the module."""
+    folder = tmp_path_factory.mktemp("lm_cache")
+    lm_data.default_tokenizer(folder, QUICK_BYTES, train.QUICK.bpe_vocab)
+    return folder
+
+
+@pytest.mark.parametrize("preset", [train.FULL, train.QUICK])
+def test_presets_are_valid(preset):
+    preset.validate()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": "huge"}, r"--model: unknown \['huge'\]"),
+        ({"batch_size": 0}, "--batch-size must be >= 1"),
+        ({"min_lr": 1.0}, "--min-lr 1.0 is above --lr"),
+        ({"precision": "fsdp-mp"}, "--precision fsdp-mp needs --parallel fsdp"),
+        (
+            {"parallel": "fsdp", "precision": "fsdp-mp", "dtype": "fp32"},
+            "needs --parallel fsdp and --dtype bf16",
+        ),
+        ({"timing_warmup": 60}, "--timing-warmup 60 leaves none of --steps 60"),
+        ({"tokenizer": Path("/nonexistent/tok")}, "--tokenizer: /nonexistent/tok does not exist"),
+    ],
+)
+def test_validation_names_the_flag(change, message):
+    with pytest.raises(UsageError, match=message):
+        dataclasses.replace(train.FULL, **change).validate()
+
+
+def test_variant_names_the_settings():
+    cfg = dataclasses.replace(
+        train.FULL, fused_optimizer=True, compile=True, parallel="fsdp", precision="fsdp-mp"
+    )
+    assert cfg.variant(2) == "1b-s2048-b4x1-bf16-fsdp-mp-fused-compile-iterable-fsdp2"
+    assert dataclasses.replace(cfg, name="x").variant(2) == "x"
+
+
+def test_lr_schedule_by_hand():
+    lr = lambda s: lm_setup.lr_at(s, 1.0, 0.1, warmup=4, steps=14)  # noqa: E731
+    assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # cosine over steps 4..13 (span 9): halfway at step 8.5, the floor at the last step
+    assert lr(4) == pytest.approx(1.0)
+    assert lr(13) == pytest.approx(0.1)
+    assert lr(7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 3 / 9)))
+    assert lm_setup.lr_at(0, 1.0, 0.1, warmup=0, steps=1) == pytest.approx(1.0)
+
+
+def test_rates_by_hand():
+    rates = train.Rates(
+        tokens_per_step=8192, flops_per_token=6e9, world=2, peak_tflops=1000.0, ceiling_tflops=None
+    )
+    m = rates.metrics(0.5)
+    assert m["tokens_per_s"] == 16384
+    assert m["tflops"] == pytest.approx(6e9 * 16384 / 2 / 1e12)
+    assert m["mfu"] == pytest.approx(m["tflops"] / 1000) and m["mfu_measured"] is None
+
+
+def test_measured_ceiling_comes_from_the_committed_log():
+    name = "NVIDIA H100 80GB HBM3"
+    records = read_records(lm_setup.CEILINGS / "h100_ceilings.jsonl")
+    best = max(r["metrics"]["tflops"] for r in records if r["variant"] == "matmul_bf16")
+    assert lm_setup.measured_bf16_ceiling(name) == best
+    assert lm_setup.measured_bf16_ceiling("Some Other GPU") is None
+
+
+@pytest.mark.parametrize("dataset", ["iterable", "padded"])
+def test_ranks_together_see_the_single_process_batches(cache, dataset):
+    source = lm_data.resolve_data(None, None, cache, QUICK_BYTES)
+    tok, specials = lm_data.load_tokenizer(lm_data.default_tokenizer(cache, QUICK_BYTES, 512))
+
+    def step_rows(world, rank, batch):
+        loader = lm_data.train_loader(
+            source,
+            tok,
+            specials,
+            dataset=dataset,
+            seq_len=16,
+            batch_size=batch,
+            samples=24,
+            rank=rank,
+            world=world,
+            seed=3,
+            workers=0,
+            pin_memory=False,
+        )
+        return [sorted(map(tuple, next(loader)[1].tolist())) for _ in range(3)]
+
+    single = step_rows(1, 0, 8)
+    ranks = [step_rows(2, r, 4) for r in range(2)]
+    for step in range(3):
+        assert single[step] == sorted(ranks[0][step] + ranks[1][step])
+
+
+def test_text_file_documents_are_blank_line_blocks(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("a b\nc\n\n\n d e \n\n")
+    parquet = lm_data.text_file_parquet(path, tmp_path / "cache")
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(parquet).column("text").to_pylist() == ["a b\nc", " d e "]
+
+
+def quick_args(cache: Path, out: Path, *extra: str) -> list[str]:
+    return ["--quick", "--cache", str(cache), "--out", str(out), *extra]
+
+
+def test_quick_run_writes_sane_records(cache, tmp_path):
+    train.main(quick_args(cache, tmp_path, "--steps", "4", "--eval-every", "2", "--log-every", "3"))
+    records = read_records(tmp_path / train.LOG)
+    variant = "tiny-s128-b4x1-fp32-iterable"
+    kinds = [r["variant"] for r in records]
+    # step records wait for the next host read (every 3rd step); evaluations do not
+    assert kinds == [
+        f"{variant}_data",
+        f"{variant}_eval",
+        *[variant] * 4,
+        f"{variant}_eval",
+        f"{variant}_summary",
+    ]
+    steps = [r["metrics"] for r in records if r["variant"] == variant]
+    assert [m["step"] for m in steps] == [0, 1, 2, 3]
+    for m in steps:
+        assert 3 < m["loss"] < 7 and m["grad_norm"] > 0 and m["step_s"] > 0
+        assert m["tokens_per_s"] == pytest.approx(4 * 128 / m["step_s"])
+        assert m["label_tokens"] <= 4 * 128 and m["mfu"] is None  # no datasheet peak on a CPU
+    config = records[-1]["config"]
+    assert config["flops_per_token"] > 6 * 0.5 * config["n_params"]
+    summary = records[-1]["metrics"]
+    assert summary["timed_steps"] == 2 and summary["final_loss"] == steps[-1]["loss"]
+    assert records[0]["metrics"]["unigram_entropy_nats"] < math.log(512)
+
+
+def test_loss_falls_below_the_unigram_entropy(cache, tmp_path):
+    train.main(
+        quick_args(
+            cache,
+            tmp_path,
+            "--steps",
+            "30",
+            "--sequence-length",
+            "64",
+            "--batch-size",
+            "8",
+            "--lr",
+            "1e-2",
+            "--min-lr",
+            "1e-3",
+            "--warmup-steps",
+            "3",
+            "--eval-every",
+            "30",
+            "--log-every",
+            "30",
+        )
+    )
+    records = read_records(tmp_path / train.LOG)
+    entropy = records[0]["metrics"]["unigram_entropy_nats"]
+    losses = [r["metrics"]["loss"] for r in records if r["variant"].endswith("iterable")]
+    val = next(r["metrics"]["val_loss"] for r in records if r["variant"].endswith("_eval"))
+    assert losses[0] == pytest.approx(math.log(512), abs=0.1)  # a fresh model: uniform
+    assert sum(losses[-5:]) / 5 < entropy  # it has learned context, not just frequencies
+    assert val < entropy
+
+
+def torchrun_losses(cache: Path, out: Path, nproc: int, *extra: str) -> list[float]:
+    """Per-step losses of a quick run under torchrun with ``nproc`` gloo processes."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--standalone",
+        str(ROOT / "lm_training" / "train.py"),
+        *quick_args(cache, out, "--steps", "5", "--eval-every", "0", "--log-every", "5"),
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[:4000]
+    lines = (out / train.LOG).read_text().splitlines()
+    return [json.loads(x)["metrics"]["loss"] for x in lines if '"step"' in x and "_eval" not in x][
+        :5
+    ]
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_losses_equal_one_process_with_the_same_global_batch(cache, tmp_path):
+    one = torchrun_losses(cache, tmp_path / "one", 1, "--batch-size", "8")
+    for parallel in ("ddp", "fsdp"):
+        two = torchrun_losses(
+            cache, tmp_path / parallel, 2, "--batch-size", "4", "--parallel", parallel
+        )
+        assert two == pytest.approx(one, rel=1e-4), parallel
+    assert one[-1] < one[0]
+
+
+@pytest.mark.gpu
+def test_one_gpu_bf16_compiled_run_reports_mfu(cache, tmp_path):
+    train.main(
+        [
+            "--device",
+            "cuda",
+            "--model",
+            "tiny",
+            "--steps",
+            "6",
+            "--timing-warmup",
+            "3",
+            "--sequence-length",
+            "256",
+            "--batch-size",
+            "8",
+            "--bpe-vocab",
+            "512",
+            "--corpus-bytes",
+            str(QUICK_BYTES),
+            "--cache",
+            str(cache),
+            "--out",
+            str(tmp_path),
+            "--fused-optimizer",
+            "--compile",
+            "--log-every",
+            "3",
+            "--workers",
+            "0",
+        ]
+    )
+    summary = read_records(tmp_path / train.LOG)[-1]["metrics"]
+    name = torch.cuda.get_device_name()
+    assert summary["peak_gib"] > 0
+    assert (summary["mfu"] is None) == (train.peak_bf16_tflops(name) is None)
+
+
+def test_data_deliverables_quick(cache, tmp_path):
+    cmd = [
+        sys.executable,
+        str(ROOT / "lm_training" / "data_deliverables.py"),
+        "--quick",
+        "--cache",
+        str(cache),
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        cmd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[:4000]
+    records = {r["variant"]: r["metrics"] for r in read_records(tmp_path / "lm_deliverables.jsonl")}
+    assert records["first_sample"]["n_tokens"] == 200
+    assert records["batch_padded"]["tokens"] == records["batch_packed"]["tokens"] == 4 * 256
+    assert records["params_8b"]["from_model"] == records["params_8b"]["closed_form"]
