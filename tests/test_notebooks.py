@@ -1,3 +1,4 @@
+import gzip
 import json
 import re
 from pathlib import Path
@@ -95,8 +96,14 @@ def test_committed_results_are_run_logs_named_by_what_they_measure():
     assert files
     for path in files:
         name = str(path.relative_to(REPORTS / "results"))
-        assert path.suffix == ".jsonl", f"{name}: results hold only JSONL run logs"
         assert not re.search(r"session|stop[0-9_]|round[0-9_]|_[0-9a-f]{7}\b", name, re.I), (
             f"{name}: named after when it was made"
         )
+        if path.parent.name == "traces":  # profiler traces the reports plot
+            assert name.endswith((".json", ".json.gz")), f"{name}: traces are trace-event JSON"
+            opener = gzip.open if path.suffix == ".gz" else open
+            with opener(path, "rt") as f:
+                assert json.load(f)["traceEvents"], f"{name}: no trace events"
+            continue
+        assert path.suffix == ".jsonl", f"{name}: results hold JSONL run logs and traces/"
         assert read_records(path), f"{name}: no records"
