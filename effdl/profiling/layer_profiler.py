@@ -1,11 +1,12 @@
 """Module-level (layer) timing of a training step from ``nn.Module`` hooks.
 
-:class:`Profile` hooks every submodule of a model: forward pre/post hooks and full backward
-pre/post hooks. Each hook takes a time stamp, so each call of a module gives one forward span and,
-when it takes part in autograd, one backward span. The stamps are CUDA events on the model's
-device (the spans lie on the GPU's timeline, correct under asynchronous execution, and are read
-with one synchronize when the results are asked for) or ``time.perf_counter_ns`` on the CPU. A
-:class:`Schedule` with ``torch.profiler.schedule``'s meaning picks which steps are recorded.
+:class:`Profile` hooks every submodule of a model with forward pre/post hooks; the backward is
+timed from autograd hooks those set up on the module's tensors. Each hook takes a time stamp, so
+each call of a module gives one forward span and, when it takes part in autograd, one backward
+span. The stamps are CUDA events on the model's device (the spans lie on the GPU's timeline,
+correct under asynchronous execution, and are read with one synchronize when the results are
+asked for) or ``time.perf_counter_ns`` on the CPU. A :class:`Schedule` with
+``torch.profiler.schedule``'s meaning picks which steps are recorded.
 
 What it measures, and its limits:
 
@@ -13,21 +14,26 @@ What it measures, and its limits:
   after it, so it holds every kernel the module launched and, where the GPU waits for the host
   (a host-bound model, a data loader), that wait as well. Spans are inclusive: a parent's span
   holds its children's.
-- A backward span starts when the gradient of the module's output is ready (full backward pre
-  hook) and ends when the gradients of its inputs are computed (full backward hook). Where no
-  positional input of the module requires grad (the first layer, the model itself under input
-  images), torch fires the full backward hook before the module's backward has run; such a span
-  is closed at the end of the backward pass instead, an upper bound that holds the module's
-  weight gradients.
-- Modules run under ``no_grad``/``inference_mode``, or whose outputs are not tensors or tuples of
-  tensors, get no backward span.
-- Full backward hooks forbid in-place changes of a module's inputs or outputs (torch raises);
-  torch's warning about the early-firing hook is silenced inside the ``with`` block.
+- A backward span starts when the gradient of the module's output is complete (a pre hook on
+  the autograd node that made each output tensor; a parent returning its child's output shares
+  the child's stamp) and ends when the gradients of all its positional tensor inputs that require
+  grad are (each such input reaches the module as a ``view_as`` of itself, whose node's pre hook
+  fires once this module's use of it has its gradient; the values are the same). Where no such
+  input gets its gradient (the first layer, the model itself under input images, an input used
+  only without grad), the span is closed at the end of the backward pass instead, an upper bound
+  that holds the module's weight gradients.
+- Modules run under ``no_grad``/``inference_mode``, or whose outputs are not tensors or plain
+  tuples of tensors, get no backward span; only positional inputs count.
+- In-place changes of a module's output after it returns (``out += identity``, an in-place
+  ReLU on it) are allowed: the span starts when the gradient of the value the module returned
+  is complete. A module that changes its input in place (``nn.ReLU(inplace=True)``) works too,
+  but its backward span ends at the end of the backward pass (its input view is replaced).
 - Activation checkpointing re-runs forwards during backward: those count as more forward calls.
 - One device; each stamp goes on the stream current where the hook runs (the autograd engine's
   in backward). Spans nest as torch's engine orders a single device's backward (later modules
   first); nothing here enforces it.
-- The hooks cost host time (microseconds per module call): negligible while the GPU is the
+- The hooks are registered only for steps the schedule records or warms up with, and cost host
+  time while they are (a few microseconds per module call): negligible while the GPU is the
   bottleneck, visible where the host is. Stamps are kept until the profile is dropped, so bound
   long runs with a :class:`Schedule` that has a ``repeat``.
 """
@@ -37,8 +43,8 @@ from __future__ import annotations
 import functools
 import json
 import time
-import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -53,8 +59,9 @@ FORWARD = "forward"
 BACKWARD = "backward"
 STEP = "step"
 _TRACKS = {STEP: 0, FORWARD: 1, BACKWARD: 2}
-# torch warns about the case the backward hooks here handle by design (see the module docstring).
-_NO_GRAD_INPUT_WARNING = "Full backward hook is firing when gradients are computed with respect"
+# A backward call in flight: [module index, start stamp or None, inputs left, inputs with grad].
+_MODULE, _START, _LEFT, _INPUTS = range(4)
+_OUTPUT_ATTR = "_effdl_profile_backward"  # on an output tensor: (profile, version, calls)
 
 
 class Phase(Enum):
@@ -127,26 +134,35 @@ class _HostClock:
 
     def __init__(self) -> None:
         self._origin = time.perf_counter_ns()
+        self.mark = time.perf_counter_ns
 
-    def mark(self) -> int:
-        return time.perf_counter_ns()
+    def release(self, marks: list[int]) -> None:
+        pass
 
     def to_ns(self, marks: list[int]) -> list[int]:
         return [m - self._origin for m in marks]
 
 
 class _CudaClock:
-    """Stamps are CUDA events on the device's current stream, relative to an origin event."""
+    """Stamps are CUDA events on the device's current stream, relative to an origin event.
+
+    Events of steps that are not kept go back to a pool and are recorded again later: an event
+    is only read after the synchronize, and only the last record counts.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._free: list[torch.cuda.Event] = []
         self._origin = self.mark()
 
     def mark(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         # The current stream of the calling thread: the autograd engine's, inside backward.
         ev.record(torch.cuda.current_stream(self.device))
         return ev
+
+    def release(self, marks: list[torch.cuda.Event]) -> None:
+        self._free += marks
 
     def to_ns(self, marks: list[torch.cuda.Event]) -> list[int]:
         torch.cuda.synchronize(self.device)  # the one sync: every stamp is read after it
@@ -166,6 +182,25 @@ def _label(path: str, module: nn.Module) -> str:
     return cls if next(module.children(), None) is None else f"{path}: {cls}"
 
 
+def _grad_outputs(output: object) -> tuple[torch.Tensor, ...]:
+    """The tensors of a module's output (a tensor or a plain tuple) that autograd made."""
+    if isinstance(output, torch.Tensor):
+        return (output,) if output.grad_fn is not None else ()
+    if type(output) is tuple:
+        return tuple(t for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None)
+    return ()
+
+
+def _view_inputs(output: object, views: list) -> object:
+    """The output with each of the module's own inputs in it replaced by a view (an identity
+    module's output needs a node of its own, after its input's)."""
+
+    def fresh(t: object) -> object:
+        return t.view_as(t) if any(t is v for v in views) else t
+
+    return fresh(output) if isinstance(output, torch.Tensor) else tuple(map(fresh, output))
+
+
 class Profile:
     """Per-module forward and backward times of a model, as a context manager.
 
@@ -175,7 +210,8 @@ class Profile:
     ``schedule`` only its RECORD steps are kept; without one every step is. Step time is the
     time between consecutive :meth:`step` calls (the first step starts on entry), on the same
     clock as the spans. ``device`` picks the clock (default: the device of the model's first
-    parameter or buffer; CUDA events there, the host clock on the CPU).
+    parameter or buffer; CUDA events there, the host clock on the CPU). The module hooks are
+    on only during the schedule's WARMUP and RECORD steps.
 
     Reading results (:meth:`spans`, :meth:`records`, :meth:`summary`, :meth:`to_perfetto`)
     synchronizes the device once. A profile records one ``with`` block.
@@ -196,17 +232,17 @@ class Profile:
         self._modules = [(path or name, m) for path, m in model.named_modules()]
         self._labels = [_label(path, m) for path, m in self._modules]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._full_hook_flags: list[bool | None] = []
-        self._warnings: warnings.catch_warnings | None = None
         self._entered = False
         self._active = False
         self._clock: _HostClock | _CudaClock | None = None
         self._step = 0
         self._phase = Phase.NONE
         self._step_start: Any = None
-        self._open: dict[tuple[int, str], list[Any]] = defaultdict(list)
+        # Per module, its forward calls in flight: (start stamp, backward call, input views and their versions).
+        self._calls: list[list[tuple[Any, list | None, list | None]]] = [[] for _ in self._modules]
+        self._bwd_open: list[list] = []  # backward calls started in this backward pass
+        self._bwd_callback = False  # the end-of-backward callback is queued
         self._pending: list[tuple[int, str, int, Any, Any]] = []
-        self._deferred: list[tuple[int, Any]] = []
         self._spans: list[tuple[int, str, int, Any, Any]] = []
         self._steps: list[tuple[int, Any, Any]] = []
 
@@ -218,16 +254,6 @@ class Profile:
         self._entered = True
         device = self._device or _model_device(self.model)
         self._clock = _CudaClock(device) if device.type == "cuda" else _HostClock()
-        self._full_hook_flags = [m._is_full_backward_hook for _, m in self._modules]
-        try:
-            for i, (_, module) in enumerate(self._modules):
-                self._register(i, module)
-        except BaseException:
-            self._remove_hooks()
-            raise
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
-        warnings.filterwarnings("ignore", message=_NO_GRAD_INPUT_WARNING, category=UserWarning)
         self._active = True
         self._begin_step(None)
         return self
@@ -238,7 +264,6 @@ class Profile:
         self._active = False
         self._phase = Phase.NONE
         self._remove_hooks()
-        self._warnings.__exit__(*exc)
 
     def step(self) -> None:
         """End the current step (kept if it is a RECORD step) and start the next."""
@@ -249,25 +274,24 @@ class Profile:
         self._step += 1
         self._begin_step(now)
 
-    def _register(self, i: int, module: nn.Module) -> None:
-        # Our pre hooks run last and post hooks first, so spans hold the module, not other hooks.
-        self._handles += [
-            module.register_forward_pre_hook(functools.partial(self._start, i, FORWARD)),
-            module.register_forward_hook(
-                functools.partial(self._end_forward, i), prepend=True, always_call=True
-            ),
-            module.register_full_backward_pre_hook(functools.partial(self._start, i, BACKWARD)),
-            module.register_full_backward_hook(
-                functools.partial(self._end_backward, i), prepend=True
-            ),
-        ]
+    def _register_hooks(self) -> None:
+        try:
+            for i, (_, module) in enumerate(self._modules):
+                # Our pre hook runs last and post hook first, so spans hold the module alone.
+                self._handles += [
+                    module.register_forward_pre_hook(self._pre_hook(i)),
+                    module.register_forward_hook(
+                        self._post_hook(i), prepend=True, always_call=True
+                    ),
+                ]
+        except BaseException:
+            self._remove_hooks()
+            raise
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for (_, module), flag in zip(self._modules, self._full_hook_flags, strict=True):
-            module._is_full_backward_hook = flag  # lets the model take old-style hooks again
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -275,51 +299,134 @@ class Profile:
         self._phase = self.schedule.phase(self._step) if self.schedule else Phase.RECORD
         if self._phase is Phase.NONE:
             self._step_start = None
+            self._remove_hooks()  # the model runs bare between recorded cycles
         else:
             self._step_start = now if now is not None else self._clock.mark()
+            if not self._handles:
+                self._register_hooks()
 
     def _finish_step(self, now: Any) -> None:
         if self._phase is Phase.RECORD:
             self._spans += self._pending
             self._steps.append((self._step, self._step_start, now))
-        self._pending = []
-        self._open.clear()
-        self._deferred.clear()
+        elif self._phase is Phase.WARMUP:
+            self._clock.release([m for *_, a, b in self._pending for m in (a, b)])
+        self._pending.clear()
+        for calls in self._calls:
+            calls.clear()
+        self._bwd_open.clear()
 
     # -- hooks ---------------------------------------------------------------------------------
 
-    def _start(self, i: int, kind: str, *_: object) -> None:
-        if self._phase is not Phase.NONE:
-            self._open[i, kind].append(self._clock.mark())
+    def _pre_hook(self, i: int) -> Callable[..., tuple | None]:
+        calls = self._calls[i]
+        mark = self._clock.mark
+        bwd_end = self._bwd_end
 
-    def _end(self, i: int, kind: str) -> Any:
-        """Pop the module's open span of ``kind``: its start stamp, or None if none is open."""
-        opened = self._open.get((i, kind))
-        return opened.pop() if opened else None
+        def pre_hook(_module: nn.Module, args: tuple) -> tuple | None:
+            if not torch.is_grad_enabled():
+                calls.append((mark(), None, None))
+                return None
+            call = new_args = None
+            views = []
+            for k, a in enumerate(args):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    if call is None:
+                        call, new_args = [i, None, 0, 0], list(args)
+                    # A node of this call's own: its gradient is this module's use of ``a``.
+                    view = a.view_as(a)
+                    view.grad_fn.register_prehook(functools.partial(bwd_end, call))
+                    new_args[k] = view
+                    views.append((view, view._version))
+                    call[_LEFT] = call[_INPUTS] = call[_INPUTS] + 1
+            if call is None:
+                calls.append((mark(), [i, None, 0, 0], None))
+                return None
+            calls.append((mark(), call, views))
+            return tuple(new_args)
 
-    def _end_forward(self, i: int, *_: object) -> None:
-        start = self._end(i, FORWARD)
-        if start is not None:
-            self._pending.append((i, FORWARD, self._step, start, self._clock.mark()))
+        return pre_hook
 
-    def _end_backward(self, i: int, _module: nn.Module, grad_input: tuple, *_: object) -> None:
-        start = self._end(i, BACKWARD)
-        if start is None:
+    def _post_hook(self, i: int) -> Callable[..., object]:
+        calls = self._calls[i]
+        mark = self._clock.mark
+        pending = self._pending.append  # the list lives as long as the profile
+        bwd_start = self._bwd_start
+        bwd_end_after = self._bwd_end_after
+
+        def post_hook(_module: nn.Module, _args: tuple, output: object) -> object:
+            end = mark()
+            if not calls:
+                return None
+            start, call, views = calls.pop()
+            pending((i, FORWARD, self._step, start, end))
+            if call is None:
+                return None
+            if views:
+                for v, version in views:
+                    if v._version != version:
+                        # Changed in place: the view's node left the graph; the module's
+                        # backward is its input's new node (CopySlices), done when it has run.
+                        v._base.grad_fn.register_hook(functools.partial(bwd_end_after, call))
+                if any(t is v for t in _grad_outputs(output) for v, _ in views):
+                    output = _view_inputs(output, [v for v, _ in views])
+            for t in _grad_outputs(output):
+                shared = t.__dict__.get(_OUTPUT_ATTR)
+                if shared is not None and shared[0] is self and shared[1] == t._version:
+                    shared[2].append(call)  # a child's output: start with the child
+                    continue
+                starting = [call]
+                t.grad_fn.register_prehook(functools.partial(bwd_start, starting))
+                setattr(t, _OUTPUT_ATTR, (self, t._version, starting))
+            return output
+
+        return post_hook
+
+    def _bwd_start(self, starting: list[list], _grads: tuple) -> None:
+        """An output's gradient is complete: the backward of the modules that returned it starts."""
+        if self._phase is Phase.NONE:
             return
-        if any(g is not None for g in grad_input):
-            self._pending.append((i, BACKWARD, self._step, start, self._clock.mark()))
-            return
-        # No input requires grad: torch calls this hook before the module's backward runs.
-        if not self._deferred:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_deferred)
-        self._deferred.append((i, start))
+        now = None
+        for call in starting:
+            if call[_START] is None:
+                if now is None:
+                    now = self._clock.mark()
+                call[_START] = now
+                self._bwd_open.append(call)
+        if not self._bwd_callback:
+            self._bwd_callback = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_pass)
 
-    def _end_deferred(self) -> None:
-        """Close the spans of modules without grad inputs when the backward pass ends."""
-        if self._deferred:
-            end = self._clock.mark()
-            self._pending += [(i, BACKWARD, self._step, s, end) for i, s in self._deferred]
-            self._deferred.clear()
+    def _bwd_end(self, call: list, _grads: tuple) -> None:
+        """The gradient of one of the call's inputs is complete; the last one ends the span."""
+        if self._phase is Phase.NONE or call[_START] is None:
+            return
+        call[_LEFT] -= 1
+        if call[_LEFT] == 0:
+            self._pending.append(
+                (call[_MODULE], BACKWARD, self._step, call[_START], self._clock.mark())
+            )
+            call[_START] = None
+            call[_LEFT] = call[_INPUTS]  # ready for another backward through the same graph
+
+    def _bwd_end_after(self, call: list, _grad_inputs: tuple, grad_outputs: tuple) -> None:
+        self._bwd_end(call, grad_outputs)
+
+    def _end_backward_pass(self) -> None:
+        """Close the spans whose inputs got no gradient, at the end of the backward pass."""
+        self._bwd_callback = False
+        if self._phase is Phase.NONE:
+            self._bwd_open.clear()
+            return
+        end = None
+        for call in self._bwd_open:
+            if call[_START] is not None:
+                if end is None:
+                    end = self._clock.mark()
+                self._pending.append((call[_MODULE], BACKWARD, self._step, call[_START], end))
+                call[_START] = None
+                call[_LEFT] = call[_INPUTS]
+        self._bwd_open.clear()
 
     # -- results -------------------------------------------------------------------------------
 

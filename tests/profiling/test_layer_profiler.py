@@ -68,6 +68,20 @@ def parent_path(path: str, root: str = "model") -> str:
     return path.rsplit(".", 1)[0] if "." in path else root
 
 
+def assert_nested(track: list[Span]) -> None:
+    """Laminar (any two spans disjoint or one holding the other), each inside a parent's span."""
+    stack: list[Span] = []
+    for s in sorted(track, key=lambda s: (s.start_ns, -s.end_ns)):
+        while stack and stack[-1].end_ns <= s.start_ns:
+            stack.pop()
+        assert not stack or s.end_ns <= stack[-1].end_ns, (stack[-1], s)
+        stack.append(s)
+    for s in track:
+        if s.path != "model":
+            parents = [p for p in track if p.path == parent_path(s.path)]
+            assert any(p.start_ns <= s.start_ns and s.end_ns <= p.end_ns for p in parents), s
+
+
 @pytest.fixture
 def net() -> Net:
     torch.manual_seed(0)
@@ -136,17 +150,7 @@ def test_spans_nest_inside_their_parent_modules_spans(net: Net, x: torch.Tensor)
         by_track.setdefault((s.kind, s.step), []).append(s)
     for (kind, _), track in by_track.items():
         assert {s.path for s in track} == {r["path"] for r in prof.records()}, kind
-        # Laminar: any two spans of a track are disjoint or one holds the other.
-        stack: list[Span] = []
-        for s in sorted(track, key=lambda s: (s.start_ns, -s.end_ns)):
-            while stack and stack[-1].end_ns <= s.start_ns:
-                stack.pop()
-            assert not stack or s.end_ns <= stack[-1].end_ns, (stack[-1], s)
-            stack.append(s)
-        for s in track:
-            if s.path != "model":
-                parents = [p for p in track if p.path == parent_path(s.path)]
-                assert any(p.start_ns <= s.start_ns and s.end_ns <= p.end_ns for p in parents), s
+        assert_nested(track)
 
 
 def test_a_module_called_twice_gets_a_span_per_call(net: Net, x: torch.Tensor) -> None:
@@ -207,7 +211,6 @@ def test_hooks_are_removed_and_results_unchanged(net: Net, x: torch.Tensor) -> N
     for m in net.modules():
         hooks = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
         assert all(len(h) == 0 for h in hooks) and m._is_full_backward_hook is None
-    net.head.register_backward_hook(lambda *_: None)  # old-style hooks are allowed again
 
 
 def test_a_profile_records_one_block(net: Net) -> None:
@@ -218,6 +221,96 @@ def test_a_profile_records_one_block(net: Net) -> None:
         pass
     with pytest.raises(RuntimeError, match="one `with` block"), prof:
         pass
+
+
+class ResidualBlock(nn.Module):
+    """torchvision's BasicBlock pattern: in-place ReLUs and an in-place residual add on the
+    output of a child, which full backward hooks refuse."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, d)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.fc1(x))
+        out = self.fc2(out)
+        out += x
+        return self.relu(out)
+
+
+class TwoHeads(nn.Module):
+    """A module with a tuple output and an identity child returning its input."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b, self.same = nn.Linear(d, d), nn.Linear(d, d), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(self.same(x))
+
+
+class InPlaceNet(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.Sequential(ResidualBlock(d), ResidualBlock(d))
+        self.heads = TwoHeads(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.heads(self.blocks(self.embed(x)))
+        return a * b
+
+
+def test_in_place_residuals_and_tuple_outputs_nest_and_keep_results() -> None:
+    torch.manual_seed(0)
+    model, x = InPlaceNet(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    with Profile(model) as prof:
+        out = model(x)
+        out.square().mean().backward()
+        prof.step()
+    ref_out = ref(x)
+    ref_out.square().mean().backward()
+    assert torch.equal(out, ref_out)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    rows = {r["path"]: r for r in prof.records()}
+    assert (rows["blocks.0.relu"]["calls"], rows["blocks.0.relu"]["bwd_calls"]) == (2, 2)
+    assert all(r["bwd_calls"] == r["calls"] for r in rows.values()), rows
+    for kind in ("forward", "backward"):
+        assert_nested([s for s in prof.spans() if s.kind == kind])
+    # A residual block's backward holds both of its Linears' backwards.
+    bwd = {s.path: s for s in prof.spans() if s.kind == "backward" and "relu" not in s.path}
+    for child in ("blocks.0.fc1", "blocks.0.fc2"):
+        assert bwd["blocks.0"].start_ns <= bwd[child].start_ns <= bwd[child].end_ns
+        assert bwd[child].end_ns <= bwd["blocks.0"].end_ns
+
+
+def test_hooks_are_on_only_in_warmup_and_record_steps(net: Net, x: torch.Tensor) -> None:
+    sched = Schedule(wait=1, warmup=1, active=1, repeat=1)
+    with Profile(net, schedule=sched) as prof:
+        hooked, losses = [], []
+        for _ in range(4):
+            hooked.append(len(net.head._forward_hooks) > 0)
+            losses.append(net(x).square().mean())
+            losses[-1].backward(retain_graph=True)
+            prof.step()
+    assert hooked == [False, True, True, False]
+    assert [s.step for s in prof.spans() if s.kind == "step"] == [2]
+    losses[2].backward()  # the recorded graph's hooks outlive the block, and do nothing
+    assert {s.step for s in prof.spans()} == {2}
+
+
+def test_a_second_backward_through_the_graph_gets_its_own_spans(net: Net, x: torch.Tensor) -> None:
+    with Profile(net) as prof:
+        loss = net(x).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        prof.step()
+    rows = {r["path"]: r for r in prof.records()}
+    assert (rows["head"]["calls"], rows["head"]["bwd_calls"]) == (1, 2)
+    assert (rows["shared"]["calls"], rows["shared"]["bwd_calls"]) == (2, 4)
 
 
 # -- measured times --------------------------------------------------------------------------
