@@ -1,8 +1,11 @@
 import json
+import os
+import warnings
 
 import pytest
 
 from effdl.results import (
+    DamagedLastLineWarning,
     ResultsFormatError,
     RunLog,
     append_record,
@@ -39,12 +42,50 @@ def test_nonfinite_and_tensor_values_are_serialised(tmp_path):
     assert rec["config"]["p"] == str(tmp_path)
 
 
-def test_malformed_line_names_file_and_line(tmp_path):
+def test_malformed_middle_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     good = json.dumps(make_record("t", "v", {}, {}, ENV))
-    path.write_text(good + "\n" + '{"task": "t", "variant"\n')
+    path.write_text(good + "\n" + '{"task": "t", "variant"\n' + good + "\n")
     with pytest.raises(ResultsFormatError, match=r"bad\.jsonl:2: not valid JSON"):
         read_records(path)
+    with pytest.raises(ResultsFormatError, match=r"bad\.jsonl:2: not valid JSON"):
+        load_results(tmp_path)
+
+
+@pytest.mark.parametrize("tail", ['{"task": "t", "variant"', '{"task": "t", "vari\n', "\x00\x00"])
+def test_damaged_last_line_is_skipped_with_a_warning_naming_file_and_line(tmp_path, tail):
+    path = tmp_path / "cut.jsonl"
+    good = json.dumps(make_record("t", "v", {"i": 1}, {}, ENV))
+    path.write_text(good + "\n" + good + "\n" + tail)
+    with pytest.warns(DamagedLastLineWarning, match=r"cut\.jsonl:3: not valid JSON.*loaded the 2"):
+        df = load_results(tmp_path)
+    assert len(df) == 2 and list(df["config.i"]) == [1, 1]
+
+
+def test_whole_file_loads_without_warning(tmp_path):
+    append_record(tmp_path / "ok.jsonl", make_record("t", "v", {}, {}, ENV))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(read_records(tmp_path / "ok.jsonl")) == 1
+
+
+def test_short_write_is_truncated_back_leaving_whole_lines(tmp_path, monkeypatch):
+    path = tmp_path / "full.jsonl"
+    append_record(path, make_record("t", "first", {}, {}, ENV))
+    before = path.read_bytes()
+    real_write = os.write
+
+    def disk_full(fd, data):  # the kernel writes what fits and returns the count
+        return real_write(fd, data[: len(data) // 2])
+
+    monkeypatch.setattr(os, "write", disk_full)
+    with pytest.raises(OSError, match=r"short write to .*full\.jsonl") as e:
+        append_record(path, make_record("t", "second", {}, {}, ENV))
+    monkeypatch.setattr(os, "write", real_write)
+    assert e.value.errno == 28  # ENOSPC
+    assert path.read_bytes() == before
+    append_record(path, make_record("t", "third", {}, {}, ENV))
+    assert [r["variant"] for r in read_records(path)] == ["first", "third"]
 
 
 def test_missing_keys_is_an_error(tmp_path):
