@@ -7,6 +7,7 @@ import pytest
 
 from effdl.data.corpus import (
     CorpusFormatError,
+    NullTextWarning,
     SyntheticCorpusConfig,
     corpus_name,
     generate_wikitext_lines,
@@ -61,7 +62,27 @@ def test_write_then_read_official_layout(tmp_path, name):
 def test_read_parquet_text_column(tmp_path):
     rows = [" = T = \n", " \n", " first line \n", None, "", " second \n"]
     pq.write_table(pa.table({"text": rows, "other": list(range(6))}), tmp_path / "train.parquet")
-    assert read_wikitext(tmp_path / "train.parquet") == [" = T = ", " first line ", " second "]
+    with pytest.warns(
+        NullTextWarning, match=r"train\.parquet: skipped 1 of 6 rows whose 'text' is null"
+    ) as w:
+        lines = read_wikitext(tmp_path / "train.parquet")
+    assert lines == [" = T = ", " first line ", " second "]
+    assert (w[0].message.n_null, w[0].message.n_rows) == (1, 6)
+
+
+@pytest.mark.parametrize(
+    ("rows", "counts"),
+    [([None, None, None], "3 rows, 3 of them null"),
+     ([None, " ", ""], "3 rows, 1 of them null"),
+     ([], "0 rows, 0 of them null")],
+)  # fmt: skip
+def test_parquet_without_text_is_refused_naming_the_file(tmp_path, rows, counts):
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": pa.array(rows, type=pa.string())}), path)
+    with pytest.raises(
+        CorpusFormatError, match=re.escape(f"nulls.parquet: no non-empty text rows ({counts};")
+    ):
+        read_wikitext(path)
 
 
 def test_read_errors_name_the_file(tmp_path):
