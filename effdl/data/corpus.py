@@ -300,6 +300,23 @@ def _read_parquet(path: Path) -> list[str]:
     return lines
 
 
+def _first_non_utf8_line(path: Path) -> tuple[int, int]:
+    """(line number, byte offset in the file) of the first byte that is not UTF-8.
+
+    Only called after a decode failed: the text reader decodes in chunks, so its error's
+    offset is relative to a chunk and says nothing about the line.
+    """
+    offset = 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return lineno, offset + e.start
+            offset += len(raw)
+    return lineno, offset  # pragma: no cover - the text reader failed, so some line fails
+
+
 def read_wikitext(path: str | os.PathLike) -> list[str]:
     """Samples (non-empty lines) of a WikiText training split.
 
@@ -317,9 +334,11 @@ def read_wikitext(path: str | os.PathLike) -> list[str]:
     try:
         with path.open(encoding="utf-8") as f:
             lines = non_empty(f.readlines())
-    except UnicodeDecodeError as e:
+    except UnicodeDecodeError:
+        lineno, offset = _first_non_utf8_line(path)
         raise CorpusFormatError(
-            f"{path}: not UTF-8 text at byte {e.start} (expected WikiText lines)"
+            f"{path}:{lineno}: not UTF-8 text (byte {offset:,} of the file; "
+            "expected WikiText lines)"
         ) from None
     if not lines:
         raise CorpusFormatError(f"{path}: no non-empty lines (expected WikiText training text)")

@@ -96,7 +96,7 @@ def test_read_errors_name_the_file(tmp_path):
     with pytest.raises(CorpusFormatError, match=re.escape("blank.raw: no non-empty lines")):
         read_wikitext(tmp_path / "blank.raw")
     (tmp_path / "bin.raw").write_bytes(b"ok\n\xff\xfe\n")
-    with pytest.raises(CorpusFormatError, match=re.escape("bin.raw: not UTF-8")):
+    with pytest.raises(CorpusFormatError, match=re.escape("bin.raw:2: not UTF-8")):
         read_wikitext(tmp_path / "bin.raw")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "no_text.parquet")
     with pytest.raises(
@@ -135,3 +135,20 @@ def test_full_size_generation_is_wikitext_sized():
     sample = non_empty(lines[::50])
     tokens_estimate = np.mean([len(s.split()) for s in sample]) * len(sample) * 50
     assert 80e6 < tokens_estimate < 125e6
+
+
+@pytest.mark.parametrize(
+    ("head", "lineno", "offset"),
+    [(b"", 1, "1"), (b" = T = \n \n", 3, "11"), (b"ok line\n" * 200_000, 200_001, "1,600,001")],
+)
+def test_non_utf8_line_inside_a_valid_file_is_named_by_line_and_byte(
+    tmp_path, head, lineno, offset
+):
+    """The text reader decodes in chunks: the error must still name the file's line and byte."""
+    path = tmp_path / "wiki.train.raw"
+    path.write_bytes(head + b"x\xffy\n" + b"more text\n")
+    with pytest.raises(
+        CorpusFormatError,
+        match=re.escape(f"wiki.train.raw:{lineno}: not UTF-8 text (byte {offset} of the file;"),
+    ):
+        read_wikitext(tmp_path)
