@@ -1,4 +1,5 @@
 import json
+import multiprocessing as mp
 import os
 import warnings
 
@@ -157,3 +158,25 @@ def test_runlog_create_makes_the_file_at_once(tmp_path):
     blocker.write_text("x")
     with pytest.raises(OSError):
         RunLog(blocker / "r.jsonl", task="demo", create=True)
+
+
+def _append_many(args):
+    path, writer = args
+    for i in range(100):
+        record = make_record("t", f"w{writer}", {"i": i, "pad": "x" * 3000}, {}, ENV)
+        append_record(path, record)
+    return writer
+
+
+def test_processes_appending_to_one_log_at_once_leave_only_whole_lines(tmp_path):
+    """Two runs given the same --out: each record is one O_APPEND write, so none interleave."""
+    path = tmp_path / "shared.jsonl"
+    with mp.get_context("fork").Pool(4) as pool:
+        pool.map(_append_many, [(path, w) for w in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records = read_records(path)
+    assert len(records) == 400
+    for w in range(4):
+        mine = [r["config"]["i"] for r in records if r["variant"] == f"w{w}"]
+        assert mine == list(range(100))
