@@ -37,7 +37,8 @@ def base_parser(description: str, default_out: str) -> argparse.ArgumentParser:
     """An ArgumentParser with the flags every task script takes.
 
     ``--device`` (auto|cpu|cuda|cuda:N), ``--quick`` (small sizes for a CPU smoke run),
-    ``--out`` (folder for run logs, default ``default_out``), ``--seed``.
+    ``--out`` (folder for run logs, default ``default_out``), ``--seed`` (an integer in
+    [0, 2**32 - 1], the range numpy's seeding takes).
     """
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -45,8 +46,22 @@ def base_parser(description: str, default_out: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run on a CPU")
     p.add_argument("--out", type=Path, default=Path(default_out), help="folder for run logs")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0, help="in [0, 2**32 - 1]")
     return p
+
+
+MAX_SEED = 2**32 - 1
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of ``--seed``: an integer numpy, torch and random all accept."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**32 - 1], got {seed}")
+    return seed
 
 
 def add_text_corpus_args(p: argparse.ArgumentParser, cache: bool = True) -> None:

@@ -2,18 +2,23 @@
 
 A record is ``{"task", "variant", "config", "metrics", "env"}`` (DESIGN.md). Lines are written
 whole in a single ``write`` on a file opened for appending and flushed at once, so a run that
-crashes leaves every earlier line intact and no partial line behind.
+crashes leaves every earlier line intact and no partial line behind; a write cut short (a full
+disk) is truncated back before the error is raised. Should a damaged last line still appear (a
+killed writer on a file system without atomic appends), the loader warns, naming file and line,
+and loads the rest; a damaged line anywhere else is an error.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import math
 import os
 import platform
 import subprocess
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,10 @@ RESULTS_ENV_VAR = "EFFDL_RESULTS"
 
 class ResultsFormatError(ValueError):
     """A run-log line that is not a valid record; the message names file and line."""
+
+
+class DamagedLastLineWarning(UserWarning):
+    """The last line of a run log is not valid JSON (a write cut short); it was skipped."""
 
 
 def _git(*args: str) -> str:
@@ -118,8 +127,14 @@ def append_record(path: str | os.PathLike, record: Mapping[str, Any]) -> None:
     try:
         data = line.encode()
         written = os.write(fd, data)
-        if written != len(data):  # pragma: no cover - only on a full disk
-            raise OSError(f"short write to {path}: {written} of {len(data)} bytes")
+        if written != len(data):
+            # A full disk: take the partial line back so the file keeps only whole lines.
+            end = os.lseek(fd, 0, os.SEEK_CUR)
+            os.ftruncate(fd, end - written)
+            raise OSError(
+                errno.ENOSPC,
+                f"short write to {path}: {written} of {len(data)} bytes (removed again)",
+            )
     finally:
         os.close(fd)
 
@@ -147,25 +162,37 @@ class RunLog:
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of one JSONL file; a malformed line raises :class:`ResultsFormatError`."""
+    """All records of one JSONL file.
+
+    A last line that is not valid JSON (a write cut short) is skipped with a
+    :class:`DamagedLastLineWarning` naming file and line; any other malformed line raises
+    :class:`ResultsFormatError`.
+    """
     path = Path(path)
-    records = []
     with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ResultsFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ResultsFormatError(
-                    f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}"
+        lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
+    records = []
+    for i, (lineno, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            where = f"{path}:{lineno}: not valid JSON ({e.msg})"
+            if i == len(lines) - 1:
+                warnings.warn(
+                    f"{where}; skipped this damaged last line, loaded the {i} before it",
+                    DamagedLastLineWarning,
+                    stacklevel=2,
                 )
-            missing = [k for k in REQUIRED_KEYS if k not in rec]
-            if missing:
-                raise ResultsFormatError(f"{path}:{lineno}: record lacks keys {missing}")
-            records.append(rec)
+                break
+            raise ResultsFormatError(where) from None
+        if not isinstance(rec, dict):
+            raise ResultsFormatError(
+                f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}"
+            )
+        missing = [k for k in REQUIRED_KEYS if k not in rec]
+        if missing:
+            raise ResultsFormatError(f"{path}:{lineno}: record lacks keys {missing}")
+        records.append(rec)
     return records
 
 
@@ -184,7 +211,8 @@ def load_results(
 
     With ``flatten`` the nested sections become columns ``config.x``, ``metrics.y``, ``env.z``;
     a column ``source`` names the file each row came from. An empty or missing folder raises
-    FileNotFoundError, so a report never silently shows an empty table.
+    FileNotFoundError, so a report never silently shows an empty table. A damaged last line of
+    a file is skipped with a warning naming file and line (:func:`read_records`).
     """
     folder = Path(folder)
     files = sorted(folder.glob(pattern)) if folder.is_dir() else []

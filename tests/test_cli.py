@@ -1,4 +1,5 @@
 import argparse
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from effdl.cli import (
     require_path,
     require_positive,
     resolve_device,
+    seed_arg,
     start_run,
 )
 from effdl.results import read_records
@@ -134,12 +136,44 @@ def test_start_run_opens_logs_and_picks_the_cpu_under_quick(tmp_path):
     assert read_records(tmp_path / "o" / "a.jsonl")[0]["task"] == "demo"
 
 
-def test_start_run_refuses_an_unwritable_out_before_any_work(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    args = base_parser("demo", default_out="x").parse_args(["--out", str(blocker)])
-    with pytest.raises(UsageError, match=r"--out: cannot write .*file/a\.jsonl"):
+def _existing_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    return tmp_path / "file", r"file/a\.jsonl \((File exists|Not a directory)\)"
+
+
+def _log_path_is_a_folder(tmp_path):
+    (tmp_path / "o" / "a.jsonl").mkdir(parents=True)
+    return tmp_path / "o", r"o/a\.jsonl \(Is a directory\)"
+
+
+def _under_proc(tmp_path):
+    return Path("/proc/effdl-out"), r"/proc/effdl-out/a\.jsonl \(No such file or directory\)"
+
+
+@pytest.mark.parametrize("where", [_existing_file, _log_path_is_a_folder, _under_proc])
+def test_start_run_refuses_an_unwritable_out_before_any_work(tmp_path, where):
+    out, message = where(tmp_path)
+    args = base_parser("demo", default_out="x").parse_args(["--out", str(out)])
+    with pytest.raises(UsageError, match=rf"--out: cannot write .*{message}"):
         start_run(args, "demo", "a.jsonl")
+
+
+def test_run_id_carries_the_process_id(tmp_path):
+    """Two processes started in the same second get different run ids."""
+    args = base_parser("demo", default_out="x").parse_args(["--out", str(tmp_path)])
+    assert start_run(args, "demo", "a.jsonl").run_id.endswith(f"-{os.getpid()}")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("-1", r"must be in \[0, 2\*\*32 - 1\], got -1"),
+     ("4294967296", r"must be in \[0, 2\*\*32 - 1\], got 4294967296"),
+     ("1e20", "expected an integer, got '1e20'")],
+)  # fmt: skip
+def test_seed_out_of_range_is_refused(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        seed_arg(text)
+    assert seed_arg("4294967295") == 2**32 - 1
 
 
 def run_script(*args):
@@ -181,4 +215,19 @@ def test_example_script_bad_argument_is_one_line_without_traceback(tmp_path):
     assert "Traceback" not in res.stderr
     assert res.stderr.strip().count("\n") == 0
     assert "--dtypes" in res.stderr and "fp8" in res.stderr
+    assert not (tmp_path / "ceilings.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--seed", "-1"], "argument --seed: must be in [0, 2**32 - 1], got -1"),
+     (["--out", "/proc/effdl-out"], "--out: cannot write /proc/effdl-out/ceilings.jsonl")],
+)  # fmt: skip
+def test_example_script_refuses_bad_seed_and_out_before_any_work(tmp_path, flags, message):
+    res = run_script("--quick", "--device", "cpu", "--out", str(tmp_path), *flags)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and not res.stdout.strip()
+    *usage, last = res.stderr.strip().splitlines()
+    assert message in last
+    assert all(u.startswith(("usage:", " ")) for u in usage)  # only argparse's usage before it
     assert not (tmp_path / "ceilings.jsonl").exists()

@@ -1,8 +1,12 @@
 import json
+import multiprocessing as mp
+import os
+import warnings
 
 import pytest
 
 from effdl.results import (
+    DamagedLastLineWarning,
     ResultsFormatError,
     RunLog,
     append_record,
@@ -39,12 +43,50 @@ def test_nonfinite_and_tensor_values_are_serialised(tmp_path):
     assert rec["config"]["p"] == str(tmp_path)
 
 
-def test_malformed_line_names_file_and_line(tmp_path):
+def test_malformed_middle_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     good = json.dumps(make_record("t", "v", {}, {}, ENV))
-    path.write_text(good + "\n" + '{"task": "t", "variant"\n')
+    path.write_text(good + "\n" + '{"task": "t", "variant"\n' + good + "\n")
     with pytest.raises(ResultsFormatError, match=r"bad\.jsonl:2: not valid JSON"):
         read_records(path)
+    with pytest.raises(ResultsFormatError, match=r"bad\.jsonl:2: not valid JSON"):
+        load_results(tmp_path)
+
+
+@pytest.mark.parametrize("tail", ['{"task": "t", "variant"', '{"task": "t", "vari\n', "\x00\x00"])
+def test_damaged_last_line_is_skipped_with_a_warning_naming_file_and_line(tmp_path, tail):
+    path = tmp_path / "cut.jsonl"
+    good = json.dumps(make_record("t", "v", {"i": 1}, {}, ENV))
+    path.write_text(good + "\n" + good + "\n" + tail)
+    with pytest.warns(DamagedLastLineWarning, match=r"cut\.jsonl:3: not valid JSON.*loaded the 2"):
+        df = load_results(tmp_path)
+    assert len(df) == 2 and list(df["config.i"]) == [1, 1]
+
+
+def test_whole_file_loads_without_warning(tmp_path):
+    append_record(tmp_path / "ok.jsonl", make_record("t", "v", {}, {}, ENV))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(read_records(tmp_path / "ok.jsonl")) == 1
+
+
+def test_short_write_is_truncated_back_leaving_whole_lines(tmp_path, monkeypatch):
+    path = tmp_path / "full.jsonl"
+    append_record(path, make_record("t", "first", {}, {}, ENV))
+    before = path.read_bytes()
+    real_write = os.write
+
+    def disk_full(fd, data):  # the kernel writes what fits and returns the count
+        return real_write(fd, data[: len(data) // 2])
+
+    monkeypatch.setattr(os, "write", disk_full)
+    with pytest.raises(OSError, match=r"short write to .*full\.jsonl") as e:
+        append_record(path, make_record("t", "second", {}, {}, ENV))
+    monkeypatch.setattr(os, "write", real_write)
+    assert e.value.errno == 28  # ENOSPC
+    assert path.read_bytes() == before
+    append_record(path, make_record("t", "third", {}, {}, ENV))
+    assert [r["variant"] for r in read_records(path)] == ["first", "third"]
 
 
 def test_missing_keys_is_an_error(tmp_path):
@@ -116,3 +158,25 @@ def test_runlog_create_makes_the_file_at_once(tmp_path):
     blocker.write_text("x")
     with pytest.raises(OSError):
         RunLog(blocker / "r.jsonl", task="demo", create=True)
+
+
+def _append_many(args):
+    path, writer = args
+    for i in range(100):
+        record = make_record("t", f"w{writer}", {"i": i, "pad": "x" * 3000}, {}, ENV)
+        append_record(path, record)
+    return writer
+
+
+def test_processes_appending_to_one_log_at_once_leave_only_whole_lines(tmp_path):
+    """Two runs given the same --out: each record is one O_APPEND write, so none interleave."""
+    path = tmp_path / "shared.jsonl"
+    with mp.get_context("fork").Pool(4) as pool:
+        pool.map(_append_many, [(path, w) for w in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records = read_records(path)
+    assert len(records) == 400
+    for w in range(4):
+        mine = [r["config"]["i"] for r in records if r["variant"] == f"w{w}"]
+        assert mine == list(range(100))

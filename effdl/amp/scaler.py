@@ -35,6 +35,9 @@ from torch import Tensor
 from effdl.amp.grads import grads_of, unscale_and_check_
 
 FP32_MAX = float(np.finfo(np.float32).max)
+# Below fp16's smallest subnormal, a scale flushes every fp16 gradient of magnitude <= 1 to zero:
+# searching lower finds nothing, and a scale that reaches 0 would hide the NaN of 0 * inf.
+DEFAULT_MIN_SCALE = 2.0**-24
 
 
 def _as_fp32(x: float) -> float:
@@ -65,8 +68,7 @@ class _LossScaler:
     """
 
     def __init__(self, init_scale: float, enabled: bool = True) -> None:
-        if not init_scale > 0 or not math.isfinite(init_scale):
-            raise ValueError(f"init_scale must be positive and finite, got {init_scale}")
+        _check_scale("init_scale", init_scale)
         self.enabled = enabled
         self._scale_value = _as_fp32(init_scale)
         self._scale: Tensor | None = None  # device copy, created on the first scale()
@@ -163,16 +165,27 @@ class _LossScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; the values are checked as the constructor
+        checks its arguments (ValueError, nothing changed) before any is applied."""
         if not self.enabled:
             return
         if not state_dict:
             raise RuntimeError(
                 "the state dict is empty, possibly because it was saved from a disabled scaler"
             )
-        self._set_scale(float(state_dict["scale"]))
-        self.steps = int(state_dict.get("steps", 0))
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self._load_extra_state(state_dict)
+        try:
+            scale = float(state_dict["scale"])
+            _check_scale("scale", scale)
+            steps = int(state_dict.get("steps", 0))
+            skipped = int(state_dict.get("skipped_steps", 0))
+            if not 0 <= skipped <= steps:
+                raise ValueError(f"need 0 <= skipped_steps <= steps, got {skipped}, {steps}")
+            extra = self._checked_extra_state(state_dict, scale)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"invalid scaler state_dict: {e}") from None
+        self._set_scale(scale)
+        self.steps, self.skipped_steps = steps, skipped
+        self._load_extra_state(extra)
 
     # ---- for subclasses ------------------------------------------------------------------
     def _next_scale(self, found_inf: bool) -> float:
@@ -181,7 +194,11 @@ class _LossScaler:
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
-    def _load_extra_state(self, state_dict: dict[str, Any]) -> None:
+    def _checked_extra_state(self, state_dict: dict[str, Any], scale: float) -> dict[str, Any]:
+        """The subclass's part of ``state_dict``, validated (ValueError); nothing is set yet."""
+        return {}
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
         pass
 
     # ---- internals -------------------------------------------------------------------------
@@ -235,7 +252,9 @@ class DynamicGradScaler(_LossScaler):
     trajectory is identical to torch's.
 
     Extensions: ``min_scale``/``max_scale`` clamp the scale (``max_scale=None`` keeps torch's
-    rule of not growing past the largest fp32); ``hysteresis=h`` tolerates ``h - 1`` overflows
+    rule of not growing past the largest fp32; ``min_scale`` must be positive, default 2**-24,
+    so that, unlike torch's, a long run of overflows never drives the scale to 0, where the
+    NaN gradients of the next step would go undetected); ``hysteresis=h`` tolerates ``h - 1`` overflows
     before backing off (each still skips its step), and the budget refills whenever the scale
     grows, as in Megatron-LM; ``hysteresis=1`` is torch's behaviour.
     """
@@ -246,22 +265,16 @@ class DynamicGradScaler(_LossScaler):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
-        min_scale: float = 0.0,
+        min_scale: float = DEFAULT_MIN_SCALE,
         max_scale: float | None = None,
         hysteresis: int = 1,
         enabled: bool = True,
     ) -> None:
-        if growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if growth_interval < 1 or hysteresis < 1:
-            raise ValueError("growth_interval and hysteresis must be >= 1")
-        if max_scale is not None and not min_scale <= init_scale <= max_scale:
-            raise ValueError(
-                f"need min_scale <= init_scale <= max_scale, got "
-                f"{min_scale}, {init_scale}, {max_scale}"
-            )
+        _check_scale("init_scale", init_scale)
+        _check_dynamic(
+            init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale,
+            hysteresis,
+        )  # fmt: skip
         super().__init__(init_scale, enabled)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -303,12 +316,72 @@ class DynamicGradScaler(_LossScaler):
             "hysteresis_left": self._hysteresis_left,
         }
 
-    def _load_extra_state(self, state_dict: dict[str, Any]) -> None:
-        self.growth_factor = float(state_dict["growth_factor"])
-        self.backoff_factor = float(state_dict["backoff_factor"])
-        self.growth_interval = int(state_dict["growth_interval"])
-        self.min_scale = float(state_dict.get("min_scale", 0.0))
-        self.max_scale = state_dict.get("max_scale")
-        self.hysteresis = int(state_dict.get("hysteresis", 1))
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._hysteresis_left = int(state_dict.get("hysteresis_left", self.hysteresis))
+    def _checked_extra_state(self, state_dict: dict[str, Any], scale: float) -> dict[str, Any]:
+        hysteresis = int(state_dict.get("hysteresis", 1))
+        max_scale = state_dict.get("max_scale")
+        extra = {
+            "growth_factor": float(state_dict["growth_factor"]),
+            "backoff_factor": float(state_dict["backoff_factor"]),
+            "growth_interval": int(state_dict["growth_interval"]),
+            "min_scale": float(state_dict.get("min_scale", DEFAULT_MIN_SCALE)),
+            "max_scale": None if max_scale is None else float(max_scale),
+            "hysteresis": hysteresis,
+            "growth_tracker": int(state_dict["growth_tracker"]),
+            "hysteresis_left": int(state_dict.get("hysteresis_left", hysteresis)),
+        }
+        _check_dynamic(
+            scale, extra["growth_factor"], extra["backoff_factor"], extra["growth_interval"],
+            extra["min_scale"], extra["max_scale"], hysteresis, what="scale",
+        )  # fmt: skip
+        if not 0 <= extra["growth_tracker"] < extra["growth_interval"]:
+            raise ValueError(
+                f"need 0 <= growth_tracker < growth_interval, got {extra['growth_tracker']}"
+            )
+        if not 1 <= extra["hysteresis_left"] <= hysteresis:
+            raise ValueError(
+                f"need 1 <= hysteresis_left <= hysteresis, got {extra['hysteresis_left']}"
+            )
+        return extra
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        self.growth_factor = extra["growth_factor"]
+        self.backoff_factor = extra["backoff_factor"]
+        self.growth_interval = extra["growth_interval"]
+        self.min_scale = extra["min_scale"]
+        self.max_scale = extra["max_scale"]
+        self.hysteresis = extra["hysteresis"]
+        self._growth_tracker = extra["growth_tracker"]
+        self._hysteresis_left = extra["hysteresis_left"]
+
+
+def _check_scale(name: str, scale: float) -> None:
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"{name} must be positive and finite, got {scale}")
+
+
+def _check_dynamic(
+    scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    min_scale: float,
+    max_scale: float | None,
+    hysteresis: int,
+    what: str = "init_scale",
+) -> None:
+    """The rules :class:`DynamicGradScaler` holds its settings to (ValueError otherwise)."""
+    if not growth_factor > 1.0:  # also refuses NaN
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+    if growth_interval < 1 or hysteresis < 1:
+        raise ValueError(
+            f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}"
+        )
+    if not (min_scale > 0 and math.isfinite(min_scale)):
+        raise ValueError(f"min_scale must be positive and finite, got {min_scale}")
+    top = math.inf if max_scale is None else max_scale
+    if not min_scale <= scale <= top:
+        raise ValueError(
+            f"need min_scale <= {what} <= max_scale, got {min_scale}, {scale}, {max_scale}"
+        )

@@ -77,7 +77,11 @@ class _MaxSegmentTree:
 
 @dataclass(frozen=True)
 class PackingStats:
-    """How well a packing fills its bins; ``lower_bound`` = ceil(total tokens / capacity)."""
+    """How well a packing fills its bins; ``lower_bound`` = ceil(total tokens / capacity).
+
+    ``fill_ratio`` is NaN when there are no bins (every sequence empty or dropped): nothing was
+    packed, so no fill can be claimed; ``n_dropped == n_sequences`` says so.
+    """
 
     n_sequences: int
     n_pieces: int
@@ -211,7 +215,7 @@ def _finish(
         n_bins=n_bins,
         total_tokens=total,
         lower_bound=math.ceil(total / capacity),
-        fill_ratio=total / (n_bins * capacity) if n_bins else 1.0,
+        fill_ratio=total / (n_bins * capacity) if n_bins else math.nan,
     )
     return Packing(capacity, bins, bin_of, piece_seq, piece_start, piece_len, dropped, stats)
 

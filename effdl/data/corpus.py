@@ -5,7 +5,8 @@ headings; the empty lines between them carry no text). Three sources give the sa
 
 * ``wiki.train.raw`` / ``wiki.train.tokens`` from the official zip (or the folder holding them);
 * a parquet file with a ``text`` column, one line per row (the Hugging Face layout), read with
-  pyarrow, so the ``datasets`` package is never needed;
+  pyarrow, so the ``datasets`` package is never needed; null ``text`` values are skipped and
+  counted (a :class:`NullTextWarning` says how many), a file without any text is an error;
 * :func:`generate_wikitext_lines`: a deterministic, seeded corpus with WikiText's line structure
   (`` = Title = `` and `` = = Section = = `` headings, blank lines, paragraphs whose token counts
   are log-normal, about 1% of them longer than 640 tokens). At full size it has WikiText-103's
@@ -16,6 +17,7 @@ headings; the empty lines between them carry no text). Three sources give the sa
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,23 @@ _FUNCTION_WORDS = tuple(_FUNCTION_TEXT.split())
 
 class CorpusFormatError(ValueError):
     """Input text that is missing or not in an expected layout; the message names the file."""
+
+
+class NullTextWarning(UserWarning):
+    """Rows of a parquet file whose ``text`` is null were skipped; ``n_null`` of ``n_rows``.
+
+    A script that wants the count in its run log catches it with ``warnings.catch_warnings``.
+    """
+
+    def __init__(self, path: str | os.PathLike, n_null: int, n_rows: int) -> None:
+        super().__init__(f"{path}: skipped {n_null:,} of {n_rows:,} rows whose 'text' is null")
+        self.path, self.n_null, self.n_rows = str(path), n_null, n_rows
+
+
+def warn_null_text(path: str | os.PathLike, n_null: int, n_rows: int, stacklevel: int = 3) -> None:
+    """Say once that ``n_null`` null ``text`` rows of ``path`` were skipped (nothing if 0)."""
+    if n_null:
+        warnings.warn(NullTextWarning(path, n_null, n_rows), stacklevel=stacklevel)
 
 
 @dataclass(frozen=True)
@@ -271,15 +290,40 @@ def _read_parquet(path: Path) -> list[str]:
     column = table.column("text")
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise CorpusFormatError(f"{path}: column 'text' has type {column.type}, expected string")
-    return non_empty([t for t in column.to_pylist() if t is not None])
+    lines = non_empty([t for t in column.to_pylist() if t is not None])
+    if not lines:
+        raise CorpusFormatError(
+            f"{path}: no non-empty text rows ({len(column):,} rows, {column.null_count:,} of "
+            "them null; expected WikiText training text)"
+        )
+    warn_null_text(path, column.null_count, len(column), stacklevel=4)
+    return lines
+
+
+def _first_non_utf8_line(path: Path) -> tuple[int, int]:
+    """(line number, byte offset in the file) of the first byte that is not UTF-8.
+
+    Only called after a decode failed: the text reader decodes in chunks, so its error's
+    offset is relative to a chunk and says nothing about the line.
+    """
+    offset = 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return lineno, offset + e.start
+            offset += len(raw)
+    return lineno, offset  # pragma: no cover - the text reader failed, so some line fails
 
 
 def read_wikitext(path: str | os.PathLike) -> list[str]:
     """Samples (non-empty lines) of a WikiText training split.
 
     ``path``: ``wiki.train.raw`` / ``wiki.train.tokens``, the folder holding one of them, or a
-    ``.parquet`` file with a string column ``text`` (one line per row). Raises
-    :class:`CorpusFormatError` naming the file when it is missing, unreadable or not text.
+    ``.parquet`` file with a string column ``text`` (one line per row; null values are skipped
+    with a :class:`NullTextWarning` giving their count). Raises :class:`CorpusFormatError`
+    naming the file when it is missing, unreadable, not text, or holds no non-empty line.
     """
     path = Path(path)
     if path.suffix == ".parquet":
@@ -290,9 +334,11 @@ def read_wikitext(path: str | os.PathLike) -> list[str]:
     try:
         with path.open(encoding="utf-8") as f:
             lines = non_empty(f.readlines())
-    except UnicodeDecodeError as e:
+    except UnicodeDecodeError:
+        lineno, offset = _first_non_utf8_line(path)
         raise CorpusFormatError(
-            f"{path}: not UTF-8 text at byte {e.start} (expected WikiText lines)"
+            f"{path}:{lineno}: not UTF-8 text (byte {offset:,} of the file; "
+            "expected WikiText lines)"
         ) from None
     if not lines:
         raise CorpusFormatError(f"{path}: no non-empty lines (expected WikiText training text)")

@@ -305,7 +305,8 @@ def packed_loader(
     ``"ffd"``/``"bfd"``: bins from First-/Best-Fit Decreasing over ``docs``' lengths (taken from
     ``docs.lengths`` when present), nothing cut except documents longer than ``seq_len``
     (split into pieces); the packing is at ``loader.dataset.packing``. Shuffling permutes rows
-    (bins) or, for ``"concat"``, documents.
+    (bins) or, for ``"concat"``, documents. Raises ValueError when ``docs`` hold no token (the
+    loader would be empty) or their lengths are not integers.
     """
     collate_options = {
         "n_rows": batch_size if static_shape else None,
@@ -317,15 +318,21 @@ def packed_loader(
         "num_workers": num_workers,
         "pin_memory": pin_memory,
     }
-    if method == "concat":
-        ds = SequencedDataset(docs, seq_len, pad_id=pad_id, shuffle=shuffle, seed=seed)
-        collate = functools.partial(collate_packed, **collate_options)
-        return DataLoader(ds, collate_fn=collate, **loader_options)
-    if method not in ("ffd", "bfd"):
+    if method not in ("concat", "ffd", "bfd"):
         raise ValueError(f"method must be 'concat', 'ffd' or 'bfd', got {method!r}")
     lengths = getattr(docs, "lengths", None)
     if lengths is None:
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    lengths = np.asarray(lengths)
+    if lengths.size and not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"document lengths must be integers, got dtype {lengths.dtype}")
+    if not lengths.any():
+        # an empty loader would leave a training loop that waits for a token budget spinning
+        raise ValueError(f"nothing to pack: all {len(lengths)} documents are empty")
+    if method == "concat":
+        ds = SequencedDataset(docs, seq_len, pad_id=pad_id, shuffle=shuffle, seed=seed)
+        collate = functools.partial(collate_packed, **collate_options)
+        return DataLoader(ds, collate_fn=collate, **loader_options)
     pack = best_fit_decreasing if method == "bfd" else first_fit_decreasing
     packing = pack(lengths, seq_len, oversize="split")
     generator = torch.Generator().manual_seed(seed) if shuffle else None

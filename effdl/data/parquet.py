@@ -7,6 +7,8 @@
   front of each, cut into samples of ``seq_len + 1`` tokens with no padding at all.
 
 The parquet file needs a string column ``text``; it is read with pyarrow (no ``datasets``).
+Rows whose ``text`` is null are skipped, their count given once by a
+:class:`~effdl.data.corpus.NullTextWarning`; a file without any non-empty text is refused.
 A tokenizer is either a ``tokenizers.Tokenizer`` or a Hugging Face (fast) tokenizer; both are
 called without adding special tokens, so BoS placement is decided here, not by the tokenizer.
 """
@@ -20,11 +22,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from effdl.data.corpus import warn_null_text
 from effdl.data.labels import IGNORE_INDEX
 
 TEXT_COLUMN = "text"
@@ -52,7 +56,8 @@ def as_encoder(tokenizer: Any) -> TextEncoder:
 
 
 def read_text_column(path: str | Path) -> pa.ChunkedArray:
-    """The ``text`` column of a parquet file, memory-mapped; clear errors for a bad file."""
+    """The non-null ``text`` values of a parquet file, memory-mapped (copied only when some are
+    null); clear errors (ValueError naming the file) for a bad file or one without any text."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such parquet file (expected a column {TEXT_COLUMN!r})")
@@ -65,6 +70,15 @@ def read_text_column(path: str | Path) -> pa.ChunkedArray:
     column = pq.read_table(path, columns=[TEXT_COLUMN], memory_map=True).column(TEXT_COLUMN)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise ValueError(f"{path}: column {TEXT_COLUMN!r} has type {column.type}, expected string")
+    n_rows, n_null = len(column), column.null_count
+    if n_null:
+        column = column.drop_null()
+    if len(column) == 0 or pc.max(pc.binary_length(column)).as_py() == 0:
+        raise ValueError(
+            f"{path}: no non-empty text rows ({n_rows:,} rows, {n_null:,} of them null; "
+            "expected one string document per row)"
+        )
+    warn_null_text(path, n_null, n_rows)
     return column
 
 
@@ -88,8 +102,6 @@ class ParquetDataset(Dataset):
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.texts = read_text_column(parquet_file)
         self.real_length = len(self.texts)
-        if self.real_length == 0:
-            raise ValueError(f"{parquet_file}: the parquet file has no rows")
         self.encode = as_encoder(tokenizer)
         self.seq_len = seq_len
         self.training_samples = self.real_length if training_samples is None else training_samples

@@ -134,7 +134,7 @@ class UltraDuperBigBrainBatchSampler(Sampler[list[int]]):
         ``batch_size``: most rows per batch (``None``: no row cap, then ``max_tokens`` is
         required); ``k``: most ``max - min`` length span inside a batch; ``max_tokens``: most
         padded tokens (``rows * max length``) per batch, exceeded only by a single-row batch;
-        ``seed``: non-negative. Raises ``ValueError`` on empty or out-of-range lengths,
+        ``seed``: non-negative. Raises ``ValueError`` on empty, non-integer or out-of-range lengths,
         non-positive bounds or a negative seed.
         """
         if isinstance(lengths, UnpaddedDataset):
@@ -142,6 +142,9 @@ class UltraDuperBigBrainBatchSampler(Sampler[list[int]]):
         lengths = np.asarray(lengths)
         if lengths.ndim != 1 or len(lengths) == 0:
             raise ValueError("lengths must be a non-empty 1-D array")
+        if not np.issubdtype(lengths.dtype, np.integer):
+            # a cast to the uint16 keys would silently floor floats and turn NaN into 0
+            raise ValueError(f"lengths must be integers (token counts), got dtype {lengths.dtype}")
         if batch_size is None and max_tokens is None:
             raise ValueError("need batch_size or max_tokens (both None leaves batches unbounded)")
         if batch_size is not None and batch_size < 1:

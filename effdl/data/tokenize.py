@@ -20,6 +20,9 @@ import json
 import multiprocessing as mp
 import os
 import re
+import tempfile
+import warnings
+import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +33,30 @@ import numpy as np
 from effdl.data.corpus import CorpusFormatError, corpus_name, load_corpus
 
 PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<unk>", "<bos>", "<eos>"
+
+
+class CacheRebuiltWarning(UserWarning):
+    """A token cache could not be read (truncated, corrupt, not a file); it is rebuilt."""
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` to a temporary file beside ``path`` unique to this call, then rename it
+    over ``path``: concurrent writers never see or clobber each other's half-written files."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        tmp.chmod(0o644)  # mkstemp's 0600 would hide a shared cache from other users
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"cannot write {path} ({e.strerror or e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
 
 # torchtext 0.18, torchtext/data/utils.py: applied in this order to the lowercased line.
 _BASIC_ENGLISH_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
@@ -127,7 +154,9 @@ class Vocab:
         return np.fromiter((get(t, self.unk_id) for t in tokens), dtype=np.int32)
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.itos), encoding="utf-8")
+        """Write the tokens as a JSON list (temporary name, then renamed)."""
+        text = json.dumps(self.itos)
+        _write_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocab:
@@ -221,12 +250,15 @@ class TokenizedCorpus:
         return TokenizedCorpus(self.ids[keep_tok], offsets)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write ``ids`` and ``offsets`` to one ``.npz`` (temporary name, then renamed)."""
+        """Write ``ids`` and ``offsets`` to one ``.npz`` (a temporary name unique to this call,
+        then renamed, so concurrent savers to one path each leave a whole file)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, ids=self.ids, offsets=self.offsets)
-        os.replace(tmp, path)
+
+        def write(tmp: Path) -> None:
+            with tmp.open("wb") as f:
+                np.savez(f, ids=self.ids, offsets=self.offsets)
+
+        _write_atomically(path, write)
         return path
 
     @classmethod
@@ -235,7 +267,7 @@ class TokenizedCorpus:
         try:
             with np.load(path) as z:
                 return cls(z["ids"], z["offsets"])
-        except (OSError, KeyError, ValueError) as e:
+        except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
             raise CorpusFormatError(
                 f"{path}: not a tokenized corpus (expected an .npz with 'ids' and 'offsets'; {e})"
             ) from None
@@ -382,27 +414,57 @@ def cached_basic_english(
     ``max_size``) as ``<stem>.options.json``. On a hit nothing is read or tokenized
     (``load_lines`` is not called); a cache built with other options raises
     :class:`CorpusFormatError` (a different vocabulary would silently change the model), and
-    one without recorded options is rebuilt.
+    one without recorded options is rebuilt, as is one that cannot be read (truncated or
+    corrupt files, a folder in their place: a :class:`CacheRebuiltWarning` names the file).
+    Each file is written to a temporary name and renamed, the options file last, so processes
+    building the same cache at once each leave it whole; a cache path that cannot be written
+    raises :class:`CorpusFormatError` naming it.
     """
     options = {"source": source, "min_freq": min_freq, "max_size": max_size}
     if cache is not None:
         npz = Path(cache)
         vocab_path = npz.with_name(npz.stem + ".vocab.json")
         options_path = npz.with_name(npz.stem + ".options.json")
-        if npz.is_file() and vocab_path.is_file() and options_path.is_file():
-            built_with = json.loads(options_path.read_text())
-            if built_with != options:
-                raise CorpusFormatError(
-                    f"{npz} was built with {built_with}, this run asks for {options}: "
-                    "give another cache path or delete that one"
-                )
-            return TokenizedCorpus.load(npz), Vocab.load(vocab_path), True
+        hit = _read_cache(npz, vocab_path, options_path, options)
+        if hit is not None:
+            return *hit, True
     corpus, vocab = fit_basic_english(load_lines(), min_freq, max_size, workers)
     if cache is not None:
-        corpus.save(npz)
-        vocab.save(vocab_path)
-        options_path.write_text(json.dumps(options))  # last: it marks the cache complete
+        try:
+            corpus.save(npz)
+            vocab.save(vocab_path)
+            _write_atomically(options_path, lambda tmp: tmp.write_text(json.dumps(options)))
+        except OSError as e:
+            raise CorpusFormatError(f"token cache: {e.strerror}; give another cache path") from None
     return corpus, vocab, False
+
+
+def _read_cache(
+    npz: Path, vocab_path: Path, options_path: Path, options: dict
+) -> tuple[TokenizedCorpus, Vocab] | None:
+    """The cached corpus and vocabulary, or None for a miss (rebuild)."""
+    if not options_path.exists():
+        return None  # never completed, or an older cache without options
+    try:
+        built_with = json.loads(options_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        _warn_rebuild(f"{options_path}: not a JSON options file ({e})")
+        return None
+    if built_with != options:
+        raise CorpusFormatError(
+            f"{npz} was built with {built_with}, this run asks for {options}: "
+            "give another cache path or delete that one"
+        )
+    try:
+        return TokenizedCorpus.load(npz), Vocab.load(vocab_path)
+    except CorpusFormatError as e:
+        _warn_rebuild(str(e))
+        return None
+
+
+def _warn_rebuild(reason: str) -> None:
+    # stacklevel 4: the warning points at the caller of cached_basic_english
+    warnings.warn(f"{reason}; rebuilding the token cache", CacheRebuiltWarning, stacklevel=4)
 
 
 def prepare_wikitext_ids(

@@ -483,7 +483,9 @@ class CPUOffloadAdam:
         """Restore hyper-parameters, moments, step counts and masters; re-cast working weights.
 
         A state without ``master`` entries (e.g. from ``torch.optim.Adam``) keeps the current
-        masters for those parameters.
+        masters for those parameters. The state is checked as the constructor checks its
+        arguments (hyper-parameters, tensor shapes, step counts) before anything is changed: a
+        bad one raises ValueError naming the entry and leaves the optimizer as it was.
         """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
@@ -491,12 +493,21 @@ class CPUOffloadAdam:
             for a, g in zip(groups, self.param_groups, strict=True)
         ):
             raise ValueError("state_dict has a different number of param groups or parameters")
-        self.zero_grad()
-        for saved, g in zip(groups, self.param_groups, strict=True):
-            for k in _GROUP_DEFAULT_KEYS:
-                g[k] = tuple(saved[k]) if k == "betas" else saved[k]
+        hyper = []
+        for j, saved in enumerate(groups):
+            h = {k: tuple(saved[k]) if k == "betas" else saved[k] for k in _GROUP_DEFAULT_KEYS}
+            try:
+                _validate(h)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"state_dict param_groups[{j}]: {e}") from None
+            hyper.append(h)
         params = self._ordered_params()
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        for idx, p in enumerate(params):
+            _check_param_state(saved_state.get(idx), idx, p)
+        self.zero_grad()
+        for h, g in zip(hyper, self.param_groups, strict=True):
+            g.update(h)
         for idx, p in enumerate(params):
             b, i = self._where[p]
             s = saved_state.get(idx)
@@ -505,13 +516,8 @@ class CPUOffloadAdam:
                 b.view(b.exp_avg, i).zero_()
                 b.view(b.exp_avg_sq, i).zero_()
                 continue
-            for key, flat in (("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)):
-                if s[key].shape != p.shape:
-                    raise ValueError(
-                        f"state_dict[{idx}][{key!r}] has shape {tuple(s[key].shape)}, "
-                        f"parameter has {tuple(p.shape)}"
-                    )
-                b.view(flat, i).copy_(s[key])
+            b.view(b.exp_avg, i).copy_(s["exp_avg"])
+            b.view(b.exp_avg_sq, i).copy_(s["exp_avg_sq"])
             b.steps[i].fill_(float(s["step"]))
             if "master" in s:
                 b.view(b.master, i).copy_(s["master"])
@@ -579,6 +585,29 @@ def _make_groups(
             seen.add(p)
         out.append(group)
     return out
+
+
+def _check_param_state(s: dict[str, Any] | None, idx: int, p: Tensor) -> None:
+    """ValueError unless ``s`` (one entry of a saved ``state``, or None) fits parameter ``p``."""
+    if s is None:
+        return
+    for key in ("exp_avg", "exp_avg_sq", "master"):
+        if key not in s:
+            if key == "master":
+                continue
+            raise ValueError(f"state_dict['state'][{idx}] lacks {key!r}")
+        t = s[key]
+        if not isinstance(t, Tensor) or t.shape != p.shape:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"state_dict['state'][{idx}][{key!r}] has shape {shape}, "
+                f"parameter has {tuple(p.shape)}"
+            )
+    step = float(s["step"])
+    if not (math.isfinite(step) and step >= 1 and step == int(step)):
+        raise ValueError(
+            f"state_dict['state'][{idx}]['step'] must be a whole number >= 1, got {step}"
+        )
 
 
 def _validate(g: dict[str, Any]) -> None:

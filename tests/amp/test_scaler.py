@@ -232,6 +232,8 @@ def test_protocol_errors():
      ({"backoff_factor": 1.5}, r"backoff_factor must be in \(0, 1\)"),
      ({"growth_interval": 0}, "growth_interval and hysteresis must be >= 1"),
      ({"hysteresis": 0}, "growth_interval and hysteresis must be >= 1"),
+     ({"min_scale": 0.0}, "min_scale must be positive and finite"),
+     ({"init_scale": 1.0, "min_scale": 2.0}, "min_scale <= init_scale"),
      ({"init_scale": 8.0, "max_scale": 4.0}, "min_scale <= init_scale <= max_scale")],
 )  # fmt: skip
 def test_invalid_arguments(kwargs, message):
@@ -310,3 +312,51 @@ def test_cuda_nan_and_inf_detected_in_large_fp16_and_fp32_grads():
             grads[1][123457] = bad
             assert unscale_and_check_(grads, 1.0).item()
             grads[1][123457] = 1.0
+
+
+def test_long_overflow_run_stops_at_min_scale_and_the_next_nan_is_still_caught():
+    """torch's scaler reaches 0 after ~166 overflows; then 0 * inf NaN grads pass unnoticed."""
+    scaler = DynamicGradScaler()
+    assert scaler.min_scale > 0
+    params = _params()
+    scales, skipped = _run(scaler, params, [(INF, 1.0)] * 200)
+    assert all(skipped) and scales[-1] == scaler.min_scale > 0
+    before = [p.detach().clone() for p in params]
+    _, skipped = _run(scaler, params, [(NAN, 1.0)])
+    assert skipped == [True]
+    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"scale": NAN}, "scale must be positive and finite, got nan"),
+     ({"scale": -1.0}, "scale must be positive and finite, got -1.0"),
+     ({"scale": 0.0}, "scale must be positive and finite"),
+     ({"scale": INF}, "scale must be positive and finite"),
+     ({"growth_interval": 0}, "growth_interval and hysteresis must be >= 1"),
+     ({"hysteresis": 0}, "growth_interval and hysteresis must be >= 1"),
+     ({"growth_factor": 0.5}, "growth_factor must be > 1"),
+     ({"backoff_factor": NAN}, r"backoff_factor must be in \(0, 1\)"),
+     ({"min_scale": 0.0}, "min_scale must be positive"),
+     ({"max_scale": 2.0}, "min_scale <= scale <= max_scale"),
+     ({"growth_tracker": -1}, "growth_tracker"),
+     ({"skipped_steps": 6}, "skipped_steps <= steps"),
+     ({"growth_factor": "x"}, "could not convert")],
+)  # fmt: skip
+def test_load_state_dict_validates_as_the_constructor_does(change, message):
+    saved = DynamicGradScaler(init_scale=16.0, growth_interval=3)
+    _run(saved, _params(), _injected_sequence()[:5])
+    state = {**saved.state_dict(), **change}
+    target = DynamicGradScaler(init_scale=4.0)
+    untouched = target.state_dict()
+    with pytest.raises(ValueError, match=f"invalid scaler state_dict: .*{message}"):
+        target.load_state_dict(state)
+    assert target.state_dict() == untouched
+
+
+def test_static_scaler_load_state_dict_refuses_a_nan_scale():
+    scaler = StaticGradScaler(scale=8.0)
+    with pytest.raises(ValueError, match="scale must be positive and finite, got nan"):
+        scaler.load_state_dict({"scale": NAN, "steps": 0, "skipped_steps": 0})
+    assert scaler.get_scale() == 8.0

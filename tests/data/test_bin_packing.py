@@ -186,3 +186,20 @@ def test_segment_tree_matches_a_plain_list(n, ops):
             want = next((j for j, v in enumerate(plain) if v >= x), -1)
             assert tree.leftmost_at_least(x) == want
         assert tree.get(i) == plain[i]
+
+
+@pytest.mark.parametrize("name", PACKERS)
+@pytest.mark.parametrize(
+    ("lengths", "capacity", "oversize"), [([5, 6, 7], 1, "drop"), ([0, 0], 4, "error")]
+)
+def test_everything_dropped_claims_no_fill(name, lengths, capacity, oversize):
+    stats = PACKERS[name](np.array(lengths), capacity, oversize=oversize).stats
+    assert stats.n_bins == 0 and stats.n_dropped == stats.n_sequences == len(lengths)
+    assert np.isnan(stats.fill_ratio)  # not "0 bins, fill 100%"
+
+
+@pytest.mark.parametrize("name", PACKERS)
+@pytest.mark.parametrize("lengths", [[1.5, 2.0], [np.nan, 3.0]])
+def test_non_integer_lengths_are_refused(name, lengths):
+    with pytest.raises(ValueError, match="lengths must be a 1-D integer array, got float64"):
+        PACKERS[name](np.array(lengths), 4)

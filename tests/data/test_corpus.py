@@ -7,6 +7,7 @@ import pytest
 
 from effdl.data.corpus import (
     CorpusFormatError,
+    NullTextWarning,
     SyntheticCorpusConfig,
     corpus_name,
     generate_wikitext_lines,
@@ -61,7 +62,27 @@ def test_write_then_read_official_layout(tmp_path, name):
 def test_read_parquet_text_column(tmp_path):
     rows = [" = T = \n", " \n", " first line \n", None, "", " second \n"]
     pq.write_table(pa.table({"text": rows, "other": list(range(6))}), tmp_path / "train.parquet")
-    assert read_wikitext(tmp_path / "train.parquet") == [" = T = ", " first line ", " second "]
+    with pytest.warns(
+        NullTextWarning, match=r"train\.parquet: skipped 1 of 6 rows whose 'text' is null"
+    ) as w:
+        lines = read_wikitext(tmp_path / "train.parquet")
+    assert lines == [" = T = ", " first line ", " second "]
+    assert (w[0].message.n_null, w[0].message.n_rows) == (1, 6)
+
+
+@pytest.mark.parametrize(
+    ("rows", "counts"),
+    [([None, None, None], "3 rows, 3 of them null"),
+     ([None, " ", ""], "3 rows, 1 of them null"),
+     ([], "0 rows, 0 of them null")],
+)  # fmt: skip
+def test_parquet_without_text_is_refused_naming_the_file(tmp_path, rows, counts):
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": pa.array(rows, type=pa.string())}), path)
+    with pytest.raises(
+        CorpusFormatError, match=re.escape(f"nulls.parquet: no non-empty text rows ({counts};")
+    ):
+        read_wikitext(path)
 
 
 def test_read_errors_name_the_file(tmp_path):
@@ -75,7 +96,7 @@ def test_read_errors_name_the_file(tmp_path):
     with pytest.raises(CorpusFormatError, match=re.escape("blank.raw: no non-empty lines")):
         read_wikitext(tmp_path / "blank.raw")
     (tmp_path / "bin.raw").write_bytes(b"ok\n\xff\xfe\n")
-    with pytest.raises(CorpusFormatError, match=re.escape("bin.raw: not UTF-8")):
+    with pytest.raises(CorpusFormatError, match=re.escape("bin.raw:2: not UTF-8")):
         read_wikitext(tmp_path / "bin.raw")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "no_text.parquet")
     with pytest.raises(
@@ -114,3 +135,20 @@ def test_full_size_generation_is_wikitext_sized():
     sample = non_empty(lines[::50])
     tokens_estimate = np.mean([len(s.split()) for s in sample]) * len(sample) * 50
     assert 80e6 < tokens_estimate < 125e6
+
+
+@pytest.mark.parametrize(
+    ("head", "lineno", "offset"),
+    [(b"", 1, "1"), (b" = T = \n \n", 3, "11"), (b"ok line\n" * 200_000, 200_001, "1,600,001")],
+)
+def test_non_utf8_line_inside_a_valid_file_is_named_by_line_and_byte(
+    tmp_path, head, lineno, offset
+):
+    """The text reader decodes in chunks: the error must still name the file's line and byte."""
+    path = tmp_path / "wiki.train.raw"
+    path.write_bytes(head + b"x\xffy\n" + b"more text\n")
+    with pytest.raises(
+        CorpusFormatError,
+        match=re.escape(f"wiki.train.raw:{lineno}: not UTF-8 text (byte {offset} of the file;"),
+    ):
+        read_wikitext(tmp_path)

@@ -231,3 +231,19 @@ def test_collate_tops_up_a_short_batch_with_padding_rows():
     assert batch.cu_seqlens.tolist() == [0, 3, 6, 12, 18]
     with pytest.raises(ValueError, match="needs pad_id"):
         collate_packed(rows, n_rows=3)
+
+
+@pytest.mark.parametrize("method", ["concat", "ffd", "bfd"])
+def test_packed_loader_refuses_docs_without_tokens(method):
+    docs = [np.zeros(0, dtype=np.int64)] * 3
+    with pytest.raises(ValueError, match="nothing to pack: all 3 documents are empty"):
+        packed_loader(docs, 16, 2, pad_id=0, method=method)
+
+
+def test_packed_loader_refuses_float_lengths():
+    class Docs(list):
+        lengths = np.array([2.5, 3.0])
+
+    docs = Docs([np.arange(2), np.arange(3)])
+    with pytest.raises(ValueError, match="lengths must be integers, got dtype float64"):
+        packed_loader(docs, 16, 2, pad_id=0, method="bfd")

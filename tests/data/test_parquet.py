@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast
 
+from effdl.data.corpus import NullTextWarning
 from effdl.data.parquet import (
     IGNORE_INDEX,
     CollatorForCLM,
@@ -181,3 +182,29 @@ def test_iterable_workers_read_disjoint_rows(tmp_path):
 def test_encoder_pickles_for_spawned_workers(bpe):
     enc = pickle.loads(pickle.dumps(as_encoder(bpe)))
     assert enc(TEXTS[0]) == bpe.encode(TEXTS[0]).ids
+
+
+@pytest.mark.parametrize("dataset", [ParquetDataset, IterableParquetDataset])
+def test_null_text_rows_are_skipped_and_counted(tmp_path, dataset):
+    path = tmp_path / "holes.parquet"
+    pq.write_table(pa.table({"text": ["a", None, "b", None]}), path)
+    tok = FixedIds({"a": [7, 8], "b": [9]})
+    with pytest.warns(NullTextWarning, match=r"holes\.parquet: skipped 2 of 4 rows"):
+        ds = dataset(path, tok, 3, bos_id=1)
+    if dataset is ParquetDataset:
+        assert [ds[i]["input_ids"] for i in range(len(ds))] == [[1, 7, 8], [1, 9]]
+    else:
+        assert [x.tolist() for x, _ in ds] == [[1, 7, 8]]  # stream 1 7 8 1 9: nulls add no BoS
+
+
+@pytest.mark.parametrize("dataset", [ParquetDataset, IterableParquetDataset])
+@pytest.mark.parametrize(
+    ("rows", "counts"),
+    [([None, None], "2 rows, 2 of them null"), (["", None], "2 rows, 1 of them null"),
+     ([], "0 rows, 0 of them null")],
+)  # fmt: skip
+def test_parquet_without_text_is_refused_naming_the_file(tmp_path, dataset, rows, counts):
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": pa.array(rows, type=pa.string())}), path)
+    with pytest.raises(ValueError, match=rf"nulls\.parquet: no non-empty text rows \({counts};"):
+        dataset(path, FixedIds({}), 8)

@@ -307,3 +307,12 @@ def test_token_budget_rejects_bad_arguments():
         UltraDuperBigBrainBatchSampler(np.array([1, 2]), 4, 1, max_tokens=0)
     with pytest.raises(ValueError, match="k >= 0"):
         UltraDuperBigBrainBatchSampler(np.array([1, 2]), 4, -1)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [np.array([1.5, 2.7, 3.0]), np.array([np.nan, 2.0, 3.0]), [3.0, 4.0], np.array([True, False])],
+)
+def test_rejects_non_integer_lengths(lengths):
+    with pytest.raises(ValueError, match=r"lengths must be integers \(token counts\), got dtype"):
+        UltraDuperBigBrainBatchSampler(lengths, batch_size=2, k=1)

@@ -1,4 +1,6 @@
+import multiprocessing as mp
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ from hypothesis import strategies as st
 
 from effdl.data.corpus import CorpusFormatError, SyntheticCorpusConfig, synthetic_corpus
 from effdl.data.tokenize import (
+    CacheRebuiltWarning,
     TokenizedCorpus,
     Vocab,
     _basic_english_many,
@@ -207,3 +210,69 @@ def test_cached_basic_english_hits_the_cache(tmp_path):
     _, _, hit3 = cached_basic_english(load, tmp_path / "c.npz", workers=1)
     assert not hit3 and len(calls) == 2
     assert cached_basic_english(load, tmp_path / "c.npz", workers=1)[2]
+
+
+def _save_many(args):
+    path, seed = args
+    corpus = TokenizedCorpus.from_sequences([np.arange(seed % 7 + 1)] * 200)
+    for _ in range(20):
+        corpus.save(path)
+    return seed
+
+
+def test_concurrent_saves_to_one_cache_path_each_leave_a_whole_file(tmp_path):
+    path = tmp_path / "shared.npz"
+    with mp.get_context("fork").Pool(4) as pool:
+        assert sorted(pool.map(_save_many, [(path, s) for s in range(4)])) == [0, 1, 2, 3]
+    loaded = TokenizedCorpus.load(path)
+    assert len(loaded) == 200
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.npz"]  # no temporary file left
+
+
+def _corrupt_truncate(npz):
+    npz.write_bytes(npz.read_bytes()[:50])
+
+
+def _corrupt_garbage(npz):
+    npz.write_bytes(b"not a zip")
+
+
+def _corrupt_options(npz):
+    npz.with_name("c.options.json").write_text("{bad")
+
+
+def _corrupt_vocab(npz):
+    npz.with_name("c.vocab.json").write_text('{"not": "a list"}')
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "named"),
+    [(_corrupt_truncate, r"c\.npz: not a tokenized corpus"),
+     (_corrupt_garbage, r"c\.npz: not a tokenized corpus"),
+     (_corrupt_options, r"c\.options\.json: not a JSON options file"),
+     (_corrupt_vocab, r"c\.vocab\.json: expected a JSON list")],
+)  # fmt: skip
+def test_corrupt_cache_is_a_miss_rebuilt_with_a_warning_naming_the_file(tmp_path, corrupt, named):
+    def load():
+        return ["a b", "b c ."]
+
+    npz = tmp_path / "c.npz"
+    first, vocab, _ = cached_basic_english(load, npz, workers=1)
+    corrupt(npz)
+    with pytest.warns(CacheRebuiltWarning, match=named + ".*rebuilding the token cache"):
+        again, vocab2, hit = cached_basic_english(load, npz, workers=1)
+    assert not hit and vocab2.itos == vocab.itos
+    np.testing.assert_array_equal(again.ids, first.ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cached_basic_english(load, npz, workers=1)[2]  # the rebuilt cache hits
+
+
+def test_cache_path_that_cannot_be_written_is_one_error_naming_it(tmp_path):
+    npz = tmp_path / "c.npz"
+    npz.mkdir()
+    with pytest.raises(
+        CorpusFormatError, match=r"token cache: cannot write .*c\.npz \(Is a directory\)"
+    ):
+        cached_basic_english(lambda: ["a b"], npz, workers=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]  # no temporary file left

@@ -289,6 +289,55 @@ def test_load_state_dict_rejects_mismatch() -> None:
     other.close()
 
 
+def _stepped_linear() -> CPUOffloadAdam:
+    torch.manual_seed(0)
+    opt = CPUOffloadAdam(nn.Linear(3, 2).parameters(), working_dtype=torch.float32)
+    p = opt.param_groups[0]["params"]
+    opt.backward(sum(q.square().sum() for q in p), final=True)
+    opt.step()
+    return opt
+
+
+def _set(path: tuple, value):
+    def change(state: dict) -> None:
+        *head, last = path
+        d = state
+        for k in head:
+            d = d[k]
+        d[last] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [(_set(("state", 0, "master"), torch.zeros(1)), r"\['state'\]\[0\]\['master'\] has shape \(1,\), parameter has \(2, 3\)"),
+     (_set(("state", 0, "master"), torch.zeros(3)), r"\['master'\] has shape \(3,\)"),
+     (_set(("state", 1, "exp_avg_sq"), torch.zeros(2, 3)), r"\['state'\]\[1\]\['exp_avg_sq'\] has shape \(2, 3\)"),
+     (_set(("state", 0, "step"), torch.tensor(float("nan"))), r"\['step'\] must be a whole number >= 1, got nan"),
+     (_set(("param_groups", 0, "lr"), float("nan")), r"param_groups\[0\]: invalid learning rate: nan"),
+     (_set(("param_groups", 0, "lr"), -1.0), r"param_groups\[0\]: invalid learning rate: -1.0"),
+     (_set(("param_groups", 0, "eps"), float("nan")), "invalid eps: nan"),
+     (_set(("param_groups", 0, "betas"), (0.9, 1.0)), "invalid betas"),
+     (_set(("param_groups", 0, "weight_decay"), -0.1), "invalid weight_decay")],
+)  # fmt: skip
+def test_load_state_dict_validates_before_changing_anything(change, message) -> None:
+    saved = _stepped_linear()
+    state = saved.state_dict()
+    saved.close()
+    change(state)
+    opt = _stepped_linear()
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(state)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for idx, entry in before["state"].items():
+        for key, t in entry.items():
+            torch.testing.assert_close(after["state"][idx][key], t, rtol=0, atol=0)
+    opt.close()
+
+
 # ----------------------------------------------------------------------------------- GPU path
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad_accumulation", ["cpu", "gpu"])
