@@ -619,6 +619,8 @@ def main() -> None:
     model_config = check_model_folder(cfg) or gpt2_config(cfg.size)
     batches = None if cfg.baseline else make_batches(cfg, model_config.vocab_size, args.seed)
     run = start_run(args, task=TASK, logs="gpt2.jsonl")
+    if run.device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: expected cpu or cuda")
     if cfg.baseline:
         rows = run_baseline(cfg, run.device, run.log)
         print_table(rows, title=f"Baseline fwd+bwd on {run.where} (log: {run.log.path})")
