@@ -39,12 +39,14 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -242,6 +244,7 @@ def load_lines(cfg: LMPrecisionConfig, seed: int) -> tuple[list[str], str]:
         # Non-empty lines are ~65% of the generated lines; ask for enough to get n_samples.
         synthetic = SyntheticCorpusConfig(n_lines=int(n_samples / 0.6) + 100, seed=seed,
                                           vocab_size=cfg.synthetic_vocab)  # fmt: skip
+        require_host_memory(cfg, synthetic)
         return synthetic_corpus(synthetic)[:n_samples], f"synthetic(n={n_samples}, seed={seed})"
     require_path(cfg.data, "WikiText-103 files or a parquet with a 'text' column", "--data")
     try:
@@ -252,6 +255,19 @@ def load_lines(cfg: LMPrecisionConfig, seed: int) -> tuple[list[str], str]:
         pick = np.random.default_rng(seed).choice(len(lines), n_samples, replace=False)
         lines = [lines[i] for i in np.sort(pick)]
     return lines, f"{cfg.data} ({len(lines)} lines)"
+
+
+def require_host_memory(cfg: LMPrecisionConfig, synthetic: SyntheticCorpusConfig) -> None:
+    """UsageError unless the generated lines fit in the host's free memory; their size is
+    extrapolated from a pilot of 2,000 lines (a lower bound: tokenizing needs more)."""
+    pilot = synthetic_corpus(replace(synthetic, n_lines=2000))
+    need = cfg.n_samples * sum(map(sys.getsizeof, pilot)) / max(len(pilot), 1)
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise UsageError(
+            f"--n-samples {cfg.n_samples:,}: the generated text needs at least "
+            f"{need / 2**30:,.1f} GiB, the host has {free / 2**30:,.1f} GiB free"
+        )
 
 
 def split_corpus(corpus: TokenizedCorpus, n_heldout: int, seed: int):
