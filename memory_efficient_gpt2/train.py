@@ -315,7 +315,7 @@ def lines_stream(
                 break
     else:
         for line in lines:
-            ids += line.encode("utf-8")
+            ids += (line + "\n").encode("utf-8")
             if len(ids) >= n_tokens:
                 break
     if len(ids) < n_tokens:
