@@ -180,10 +180,11 @@ def pack_sizes(cfg: PackingCostsConfig, run: Run) -> list[dict[str, Any]]:
     """Concatenation, FFD and BFD at every size, logged; their table rows."""
     pool = corpus_lengths(cfg.corpus) if cfg.corpus else None
     source = cfg.corpus or "wikitext_like(seed)"
+    samples = {n: sample(pool, n, run.seed) for n in cfg.sizes}
+    packed = {n: apply_overlong(raw, cfg.capacity, cfg.overlong) for n, raw in samples.items()}
     rows = []
     for n in tqdm(cfg.sizes, desc="sizes", unit="n"):
-        raw = sample(pool, n, run.seed)
-        lengths, oversize = apply_overlong(raw, cfg.capacity, cfg.overlong)
+        raw, (lengths, oversize) = samples[n], packed[n]
         n_overlong = int((raw > cfg.capacity).sum())
         base = {
             "n": n,
