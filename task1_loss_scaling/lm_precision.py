@@ -380,6 +380,9 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
     loss_fn, acc_fn = LMCrossEntropyLoss(), LMAccuracy()
     losses, accs, scales, skipped = [], [], [], []
     diverged_at = None
+    config = {"kind": "step", "run_id": run.run_id, "setup": setup, "seed": seed, "role": role,
+              **cfg.recorded(data, run.device)}  # fmt: skip
+    logged = 0  # steps already on disk: a killed run keeps every checked window
     for step in tqdm(range(cfg.steps), desc=f"{setup} s{seed}", leave=False):
         for g in optimizer.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
@@ -392,16 +395,18 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
         skipped.append(skip)
         if (step + 1) % CHECK_EVERY == 0 or step + 1 == cfg.steps:
             window = torch.stack(losses[-CHECK_EVERY:])
-            if not bool(window.isfinite().all()):  # one sync per window
+            finite = bool(window.isfinite().all())  # one sync per window
+            new = zip(torch.stack(losses[logged:]).tolist(), torch.stack(accs[logged:]).tolist(),
+                      scales[logged:], skipped[logged:], strict=True)  # fmt: skip
+            for i, (lo, ac, sc, sk) in enumerate(new, start=logged):
+                run.log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
+                                        "skipped": sk})  # fmt: skip
+            logged = len(losses)
+            if not finite:
                 bad = (~window.isfinite()).nonzero()[0, 0].item()
                 diverged_at = len(losses) - len(window) + bad
                 break
     losses_h, accs_h = torch.stack(losses).tolist(), torch.stack(accs).tolist()
-    config = {"kind": "step", "run_id": run.run_id, "setup": setup, "seed": seed, "role": role,
-              **cfg.recorded(data, run.device)}  # fmt: skip
-    for i, (lo, ac, sc, sk) in enumerate(zip(losses_h, accs_h, scales, skipped, strict=True)):
-        run.log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
-                                "skipped": sk})  # fmt: skip
     if diverged_at is None:
         val_loss, val_acc = evaluate(model, data.heldout, prec)
     else:

@@ -153,3 +153,30 @@ def test_damaged_carvana_file_is_named_in_one_line(
     expected = "train_unet.py: error: --data: " + message.format(file=bad, name=name)
     assert err[0].startswith(expected), err
     assert all(read_records(log) == [] for log in (tmp_path / "out").iterdir())
+
+
+class Killed(Exception):
+    """Stands for a SIGKILL: nothing after it runs."""
+
+
+def test_a_killed_lm_run_keeps_every_checked_step_on_disk(tmp_path, monkeypatch, capsys):
+    step, calls = lm.train_step, []
+
+    def dies_after_the_first_window(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > lm.CHECK_EVERY + 2:
+            raise Killed
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "train_step", dies_after_the_first_window)
+    with pytest.raises(Killed):
+        run_script(
+            lm,
+            ["--n-samples", "300", "--d-model", "16", "--setups", "fp32"],
+            tmp_path,
+            monkeypatch,
+            capsys,
+        )
+    records = read_records(tmp_path / "lm_precision.jsonl")
+    assert [r["metrics"]["step"] for r in records] == list(range(lm.CHECK_EVERY))
+    assert all(r["config"]["kind"] == "step" for r in records)
