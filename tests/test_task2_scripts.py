@@ -87,7 +87,7 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
         ),
         ("sampler_costs", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
         ("sampler_costs", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
-        ("packing_costs", ["--corpus", "{null}"], "--corpus: {null}: no non-empty text rows"),
+        ("packing_costs", ["--corpus", "{null}"], "--corpus: {null}"),
         (
             "packing_costs",
             ["--capacity", "1", "--overlong", "drop"],
