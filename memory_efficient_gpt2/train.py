@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import time
@@ -38,8 +39,8 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.data.corpus import CorpusFormatError
-from effdl.data.token_streams import step_batches, synthetic_stream, text_stream
+from effdl.data.corpus import CorpusFormatError, read_wikitext
+from effdl.data.token_streams import step_batches, synthetic_stream
 from effdl.models.gpt2 import (
     SHAPES,
     build_gpt2,
@@ -61,6 +62,11 @@ from effdl.results import RunLog
 
 TASK = "gpt2"
 TIMELINE_KINDS = ("gpu_compute", "d2h", "h2d", "cpu_update", "cpu_accumulate", "step_wait")
+MODEL_FOLDER = (
+    "a local Hugging Face GPT-2 folder: config.json + model.safetensors or pytorch_model.bin"
+)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")  # fmt: skip
 TABLE_COLUMNS = ("step", "loss", "seq_per_s", "peak_gib", "host_rss_gib", "gpu_compute_s",
                  "d2h_s", "h2d_s", "cpu_update_s", "step_wait_s")  # fmt: skip
 
@@ -113,14 +119,10 @@ class TrainConfig:
         if self.seq > shape.n_positions:
             raise UsageError(f"--seq {self.seq} exceeds GPT-2's {shape.n_positions} positions")
         if self.model_path is not None:
-            require_path(
-                self.model_path,
-                "a local Hugging Face GPT-2 folder (config.json + weights)",
-                "--model-path",
-            )
+            require_path(self.model_path, MODEL_FOLDER, "--model-path")
         if self.data is not None:
             require_path(
-                self.data, "a UTF-8 text file such as WikiText-103's wiki.train.raw", "--data"
+                self.data, "WikiText-103 files or a parquet with a 'text' column", "--data"
             )
 
 
@@ -171,17 +173,159 @@ def parse_args() -> tuple[argparse.Namespace, TrainConfig]:
     return args, flags.resolve(args)
 
 
-# ----------------------------------------------------------------------------------- data
+# ----------------------------------------------------------------------------------- inputs
+def check_model_folder(cfg: TrainConfig):
+    """The ``GPT2Config`` of ``--model-path`` (None without one), refusing in one line what
+    ``from_pretrained`` would fail on or load wrongly: no config.json or weights, another
+    model type, another shape than ``--size``, ``--seq`` beyond its positions, missing weights
+    (which Hugging Face would initialize at random with only a warning)."""
+    from transformers import GPT2Config
+
+    folder = cfg.model_path
+    if folder is None:
+        return None
+    if not folder.is_dir():
+        raise UsageError(f"--model-path: {folder} is not a folder (expected {MODEL_FOLDER})")
+    config_file = folder / "config.json"
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(
+            f"--model-path: {folder} has no config.json (expected {MODEL_FOLDER})"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(
+            f"--model-path: {config_file} is not a readable JSON config ({e})"
+        ) from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type != "gpt2":
+        raise UsageError(
+            f"--model-path: {config_file} has model_type {model_type!r}, expected 'gpt2'"
+        )
+    try:
+        config = GPT2Config.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--model-path: {config_file}: not a GPT-2 config ({e})") from None
+    shape = SHAPES[cfg.size]
+    found = {k: getattr(config, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")}
+    if found != {k: getattr(shape, k) for k in found}:
+        sizes = [name for name, s in SHAPES.items() if found == {k: getattr(s, k) for k in found}]
+        hint = f"give --size {sizes[0]}" if sizes else f"--size is one of {sorted(SHAPES)}"
+        raise UsageError(
+            f"--model-path: {config_file} describes {found}, not --size {cfg.size} ({hint})"
+        )
+    if cfg.seq > config.n_positions:
+        raise UsageError(
+            f"--seq {cfg.seq} exceeds the {config.n_positions} positions of {config_file}"
+        )
+    missing = expected_weights(config) - checkpoint_weights(folder)
+    if missing:
+        raise UsageError(
+            f"--model-path: the weights in {folder} lack {len(missing)} tensors of GPT-2 "
+            f"(e.g. {sorted(missing)[0]})"
+        )
+    return config
+
+
+def _weight_name(key: str) -> str:
+    """A checkpoint key without the ``transformer.`` prefix (hub checkpoints omit it)."""
+    return key.removeprefix("transformer.")
+
+
+def expected_weights(config) -> set[str]:
+    """Names of the tensors a GPT-2 of ``config`` loads (the tied LM head excluded)."""
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        names = GPT2LMHeadModel(config).state_dict().keys()
+    tied = config.tie_word_embeddings
+    return {_weight_name(k) for k in names if not (tied and k == "lm_head.weight")}
+
+
+def checkpoint_weights(folder: Path) -> set[str]:
+    """Names of the tensors stored in ``folder`` (read from headers, no weights loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    present = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present:
+        raise UsageError(f"--model-path: {folder} has no weights (expected {MODEL_FOLDER})")
+    path = present[0]
+    try:
+        if path.name.endswith(".index.json"):
+            keys = json.loads(path.read_text(encoding="utf-8"))["weight_map"].keys()
+        elif path.suffix == ".safetensors":
+            with safe_open(str(path), "pt") as f:
+                keys = list(f.keys())
+        else:
+            keys = torch.load(path, map_location="meta", weights_only=True, mmap=True).keys()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError,
+            SafetensorError, json.JSONDecodeError) as e:  # fmt: skip
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"--model-path: cannot read the weights {path} ({msg})") from None
+    return {_weight_name(k) for k in keys}
+
+
+def load_model(cfg: TrainConfig, fast_gelu: bool = True) -> torch.nn.Module:
+    """The GPT-2 to train: random init for ``--size``, or ``--model-path``'s weights."""
+    from safetensors import SafetensorError
+
+    config = gpt2_config(cfg.size, fast_gelu=fast_gelu)
+    try:
+        return build_gpt2(config, cfg.model_path, fast_gelu=fast_gelu)
+    except (OSError, SafetensorError) as e:  # e.g. weights truncated past their header
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"--model-path: cannot load {cfg.model_path} ({msg})") from None
+
+
 def make_batches(cfg: TrainConfig, vocab: int, seed: int) -> list[torch.Tensor]:
-    """One (batch, seq) int64 tensor per step (the same one with --fixed-batch)."""
+    """One (batch, seq) int64 tensor per step (the same one with --fixed-batch), from the
+    synthetic stream or ``--data`` read as the other scripts read it (checked in full)."""
     if cfg.data is None:
         stream = functools.partial(synthetic_stream, vocab=vocab, seed=seed)
     else:
-        stream = functools.partial(text_stream, cfg.data, vocab=vocab, tokenizer_dir=cfg.model_path)
+        try:
+            lines = read_wikitext(cfg.data)
+        except CorpusFormatError as e:
+            raise UsageError(f"--data: {e}") from None
+        if not lines:
+            raise UsageError(f"--data: {cfg.data} holds no non-empty text")
+        stream = functools.partial(
+            lines_stream, lines, vocab=vocab, tokenizer_dir=cfg.model_path, source=cfg.data
+        )
     try:
         return step_batches(stream, cfg.steps, cfg.batch, cfg.seq, fixed=cfg.fixed_batch)
     except CorpusFormatError as e:
         raise UsageError(f"--data: {e}") from None
+
+
+def lines_stream(
+    lines: list[str], n_tokens: int, vocab: int, tokenizer_dir: Path | None, source: Path
+) -> torch.Tensor:
+    """The first ``n_tokens`` ids of ``lines``, int64: tokenized with
+    ``tokenizer_dir/tokenizer.json`` if there is one, else as UTF-8 bytes (no download)."""
+    tok_file = tokenizer_dir / "tokenizer.json" if tokenizer_dir is not None else None
+    ids: list[int] = []
+    if tok_file is not None and tok_file.is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tok_file))
+        for line in lines:
+            ids += tokenizer.encode(line).ids
+            if len(ids) >= n_tokens:
+                break
+    else:
+        for line in lines:
+            ids += (line + "\n").encode("utf-8")
+            if len(ids) >= n_tokens:
+                break
+    if len(ids) < n_tokens:
+        raise CorpusFormatError(
+            f"{source} gives {len(ids)} tokens, need {n_tokens} (--steps x --batch x --seq)"
+        )
+    tokens = torch.tensor(ids[:n_tokens], dtype=torch.long)
+    if int(tokens.max()) >= vocab:
+        raise CorpusFormatError(f"{source} gives token id {int(tokens.max())} >= vocab {vocab}")
+    return tokens
 
 
 # ----------------------------------------------------------------------------------- baseline
@@ -236,7 +380,7 @@ def baseline_models(cfg: TrainConfig, device: torch.device):
     (fp32 weights, gelu_new) under fp16 autocast, and ours as the offloaded run computes (bf16
     weights, tanh GELU, the chunked loss) without the offload, the cap or checkpointing."""
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    hf = build_gpt2(gpt2_config(cfg.size, fast_gelu=False), cfg.model_path, fast_gelu=False)
+    hf = load_model(cfg, fast_gelu=False)
     hf.to(device).train()
     yield (
         "baseline",
@@ -246,7 +390,7 @@ def baseline_models(cfg: TrainConfig, device: torch.device):
         "fp32",
     )
     del hf
-    own = build_gpt2(gpt2_config(cfg.size), cfg.model_path).to(device, torch.bfloat16).train()
+    own = load_model(cfg).to(device, torch.bfloat16).train()
     own_loss = functools.partial(lm_loss, own, chunk_tokens=cfg.chunk_tokens)
     yield "baseline_own", own, own_loss, "none", "bf16"
 
@@ -405,13 +549,16 @@ def train_step(
     }
 
 
-def run_offload(cfg: TrainConfig, device: torch.device, log: RunLog, seed: int) -> list[dict]:
-    """Train with CPUOffloadAdam under the memory cap; one record per step, then a summary."""
+def run_offload(
+    cfg: TrainConfig, batches: list[torch.Tensor], device: torch.device, log: RunLog
+) -> list[dict]:
+    """Train on ``batches`` with CPUOffloadAdam under the memory cap; one record per step, then
+    a summary."""
     cuda = device.type == "cuda"
     if cuda:
         set_memory_cap(device, cfg.memory_cap_gib)
     threads = resolve_cpu_threads(cfg.cpu_threads)
-    model = build_gpt2(gpt2_config(cfg.size), cfg.model_path).train()
+    model = load_model(cfg).train()
     n_params = count_params(model)
     opt = CPUOffloadAdam(
         model.parameters(),
@@ -431,7 +578,6 @@ def run_offload(cfg: TrainConfig, device: torch.device, log: RunLog, seed: int) 
     config = run_config(cfg, n_params, ckpt, threads)
     log_budget(log, cfg, config, static_gib, act_bytes)
     variant = "fixed_batch" if cfg.fixed_batch else "corpus"
-    batches = make_batches(cfg, model.config.vocab_size, seed)
     rows = []
     for step, batch in enumerate(tqdm(batches, desc=variant, unit="step")):
         metrics = {"step": step, **train_step(model, opt, batch, cfg, device)}
@@ -469,12 +615,17 @@ def summarize(rows: list[dict], fixed_batch: bool) -> dict:
 
 def main() -> None:
     args, cfg = parse_args()
+    # Every input is checked before the log is opened: a refused run leaves no record.
+    model_config = check_model_folder(cfg) or gpt2_config(cfg.size)
+    batches = None if cfg.baseline else make_batches(cfg, model_config.vocab_size, args.seed)
     run = start_run(args, task=TASK, logs="gpt2.jsonl")
+    if run.device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: expected cpu or cuda")
     if cfg.baseline:
         rows = run_baseline(cfg, run.device, run.log)
         print_table(rows, title=f"Baseline fwd+bwd on {run.where} (log: {run.log.path})")
         return
-    rows = run_offload(cfg, run.device, run.log, run.seed)
+    rows = run_offload(cfg, batches, run.device, run.log)
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]
     print_table(table, title=f"CPU-offloaded Adam on {run.where} (log: {run.log.path})")
     if cfg.fixed_batch:

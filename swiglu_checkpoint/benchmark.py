@@ -509,11 +509,27 @@ def print_cost_model(
     )
 
 
+def runnable_variants(cfg: BenchmarkConfig, device: torch.device, given: bool) -> list[str]:
+    """The variants to time on ``device``: off CUDA the forced-backend ones are left out of the
+    defaults, and refused when the user named them."""
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: expected cpu or cuda")
+    if device.type == "cuda":
+        return list(cfg.variants)
+    forced = [v for v in cfg.variants if v in FORCED_BACKEND]
+    if forced and given:
+        raise UsageError(
+            f"--variants {' '.join(forced)}: these force a CUDA backend; on the {device.type} "
+            "level0 is the PyTorch path"
+        )
+    return [v for v in cfg.variants if v not in FORCED_BACKEND]
+
+
 def main() -> None:
     args, cfg = parse_args()
     run = start_run(args, task="swiglu", logs="benchmark.jsonl")
     device = run.device
-    variants = [v for v in cfg.variants if device.type == "cuda" or v not in FORCED_BACKEND]
+    variants = runnable_variants(cfg, device, given=hasattr(args, "variants"))
     if device.type == "cpu" and not args.quick:
         print("note: a CPU run times the PyTorch paths only and has no memory statistics")
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32

@@ -39,12 +39,14 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -242,6 +244,7 @@ def load_lines(cfg: LMPrecisionConfig, seed: int) -> tuple[list[str], str]:
         # Non-empty lines are ~65% of the generated lines; ask for enough to get n_samples.
         synthetic = SyntheticCorpusConfig(n_lines=int(n_samples / 0.6) + 100, seed=seed,
                                           vocab_size=cfg.synthetic_vocab)  # fmt: skip
+        require_host_memory(cfg, synthetic)
         return synthetic_corpus(synthetic)[:n_samples], f"synthetic(n={n_samples}, seed={seed})"
     require_path(cfg.data, "WikiText-103 files or a parquet with a 'text' column", "--data")
     try:
@@ -252,6 +255,19 @@ def load_lines(cfg: LMPrecisionConfig, seed: int) -> tuple[list[str], str]:
         pick = np.random.default_rng(seed).choice(len(lines), n_samples, replace=False)
         lines = [lines[i] for i in np.sort(pick)]
     return lines, f"{cfg.data} ({len(lines)} lines)"
+
+
+def require_host_memory(cfg: LMPrecisionConfig, synthetic: SyntheticCorpusConfig) -> None:
+    """UsageError unless the generated lines fit in the host's free memory; their size is
+    extrapolated from a pilot of 2,000 lines (a lower bound: tokenizing needs more)."""
+    pilot = synthetic_corpus(replace(synthetic, n_lines=2000))
+    need = cfg.n_samples * sum(map(sys.getsizeof, pilot)) / max(len(pilot), 1)
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise UsageError(
+            f"--n-samples {cfg.n_samples:,}: the generated text needs at least "
+            f"{need / 2**30:,.1f} GiB, the host has {free / 2**30:,.1f} GiB free"
+        )
 
 
 def split_corpus(corpus: TokenizedCorpus, n_heldout: int, seed: int):
@@ -364,6 +380,9 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
     loss_fn, acc_fn = LMCrossEntropyLoss(), LMAccuracy()
     losses, accs, scales, skipped = [], [], [], []
     diverged_at = None
+    config = {"kind": "step", "run_id": run.run_id, "setup": setup, "seed": seed, "role": role,
+              **cfg.recorded(data, run.device)}  # fmt: skip
+    logged = 0  # steps already on disk: a killed run keeps every checked window
     for step in tqdm(range(cfg.steps), desc=f"{setup} s{seed}", leave=False):
         for g in optimizer.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
@@ -376,16 +395,18 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
         skipped.append(skip)
         if (step + 1) % CHECK_EVERY == 0 or step + 1 == cfg.steps:
             window = torch.stack(losses[-CHECK_EVERY:])
-            if not bool(window.isfinite().all()):  # one sync per window
+            finite = bool(window.isfinite().all())  # one sync per window
+            new = zip(torch.stack(losses[logged:]).tolist(), torch.stack(accs[logged:]).tolist(),
+                      scales[logged:], skipped[logged:], strict=True)  # fmt: skip
+            for i, (lo, ac, sc, sk) in enumerate(new, start=logged):
+                run.log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
+                                        "skipped": sk})  # fmt: skip
+            logged = len(losses)
+            if not finite:
                 bad = (~window.isfinite()).nonzero()[0, 0].item()
                 diverged_at = len(losses) - len(window) + bad
                 break
     losses_h, accs_h = torch.stack(losses).tolist(), torch.stack(accs).tolist()
-    config = {"kind": "step", "run_id": run.run_id, "setup": setup, "seed": seed, "role": role,
-              **cfg.recorded(data, run.device)}  # fmt: skip
-    for i, (lo, ac, sc, sk) in enumerate(zip(losses_h, accs_h, scales, skipped, strict=True)):
-        run.log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
-                                "skipped": sk})  # fmt: skip
     if diverged_at is None:
         val_loss, val_acc = evaluate(model, data.heldout, prec)
     else:

@@ -302,6 +302,11 @@ def main() -> None:
     args, cfg = parse_args()
     run = start_run(args, task="task2", logs="mock_epoch.jsonl")
     cfg = runs.for_device(cfg, run.device)
+    # The dense yardstick's batch: its ids and one (rows, length, d_ff) activation, at least.
+    dense = cfg.batch_size * cfg.max_length * (8 + 4 * max(cfg.d_model, cfg.d_ff))
+    runs.require_memory(
+        f"--batch-size {cfg.batch_size} x --max-length {cfg.max_length}", dense, run.device
+    )
     corpus = runs.load_corpus(args, cfg.max_length, overflow=cfg.overflow)
     print(corpus.describe())
     model = GPTLikeModel(runs.model_config(cfg, len(corpus.vocab))).to(run.device).eval()

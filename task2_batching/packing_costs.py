@@ -17,6 +17,7 @@ effdl.data.corpus), so full size needs no text generation. Longer than --capacit
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -66,7 +67,15 @@ QUICK = replace(FULL, sizes=[1_000, 10_000, 100_000], iters=1, warmup=0)
 
 def count(text: str) -> int:
     """An argparse type: a count, also written as a float (``1.8e6``)."""
-    return int(float(text))
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value.is_integer()):
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number such as 1000 or 1.8e6, got {text!r}"
+        )
+    return int(value)
 
 
 def parse_args() -> tuple[argparse.Namespace, PackingCostsConfig]:
@@ -106,7 +115,10 @@ def corpus_lengths(path: str) -> np.ndarray:
         raise UsageError(f"--corpus: {e}") from None
     corpus, _ = fit_basic_english(lines)
     lengths = corpus.lengths
-    return lengths[lengths > 0]
+    lengths = lengths[lengths > 0]
+    if not lengths.size:
+        raise UsageError(f"--corpus: {path}: no non-empty text rows (expected WikiText lines)")
+    return lengths
 
 
 def sample(pool: np.ndarray | None, n: int, seed: int) -> np.ndarray:
@@ -133,7 +145,17 @@ def apply_overlong(lengths: np.ndarray, capacity: int, policy: str) -> tuple[np.
     """Lengths after truncation (or unchanged), and the packers' ``oversize`` argument."""
     if policy == "truncate":
         return np.minimum(lengths, capacity), "error"
+    if policy == "drop" and not (lengths <= capacity).any():
+        raise UsageError(
+            f"--capacity {capacity} --overlong drop: all {lengths.size:,} documents are longer "
+            "than the capacity, nothing is left to pack"
+        )
     return lengths, policy
+
+
+def concat_lengths(lengths: np.ndarray, capacity: int, policy: str) -> np.ndarray:
+    """What concatenation packs: the documents the packers keep (all of them unless dropped)."""
+    return lengths[lengths <= capacity] if policy == "drop" else lengths
 
 
 def timed_pack(
@@ -158,10 +180,11 @@ def pack_sizes(cfg: PackingCostsConfig, run: Run) -> list[dict[str, Any]]:
     """Concatenation, FFD and BFD at every size, logged; their table rows."""
     pool = corpus_lengths(cfg.corpus) if cfg.corpus else None
     source = cfg.corpus or "wikitext_like(seed)"
+    samples = {n: sample(pool, n, run.seed) for n in cfg.sizes}
+    packed = {n: apply_overlong(raw, cfg.capacity, cfg.overlong) for n, raw in samples.items()}
     rows = []
     for n in tqdm(cfg.sizes, desc="sizes", unit="n"):
-        raw = sample(pool, n, run.seed)
-        lengths, oversize = apply_overlong(raw, cfg.capacity, cfg.overlong)
+        raw, (lengths, oversize) = samples[n], packed[n]
         n_overlong = int((raw > cfg.capacity).sum())
         base = {
             "n": n,
@@ -171,7 +194,7 @@ def pack_sizes(cfg: PackingCostsConfig, run: Run) -> list[dict[str, Any]]:
             "source": source,
             "seed": run.seed,
         }
-        cs = concat_stats(lengths, cfg.capacity)
+        cs = concat_stats(concat_lengths(lengths, cfg.capacity, oversize), cfg.capacity)
         lb = cs["bins"]  # ceil(total / capacity): concatenation meets the lower bound
         run.log.log("packing_concat", {**base, "algorithm": "concat"}, {**cs, "lower_bound": lb})
         rows.append(

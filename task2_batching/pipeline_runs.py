@@ -8,6 +8,7 @@ import argparse
 import time
 from dataclasses import dataclass, field, replace
 
+import psutil
 import torch
 from torch.utils.data import DataLoader
 
@@ -53,7 +54,8 @@ class PipelineRunConfig:
         """UsageError unless the shared fields are valid; sizes must be >= ``minimum``."""
         require_choices(self, "pipelines", PIPELINES)
         require_positive(self, "ks", minimum=0)
-        require_positive(self, "batch_size", "max_length", minimum=minimum)
+        require_positive(self, "batch_size", minimum=minimum)
+        require_positive(self, "max_length", minimum=2)  # a packed row holds a token and its next
         require_positive(self, "n_layers", "d_model", "n_heads", "d_ff")
         require_choices(self, "dtype", [AUTO, *dtypes])
         if self.workers != AUTO:
@@ -121,7 +123,23 @@ def load_corpus(args: argparse.Namespace, max_length: int, **options: object) ->
         )
     except CorpusFormatError as e:
         raise UsageError(f"--data/--cache: {e}") from None
+    if len(ids) == 0 or ids.n_tokens == 0:
+        raise UsageError(f"--data: {source}: no non-empty text rows (expected WikiText lines)")
     return Corpus(ids, vocab, source, time.perf_counter() - start)
+
+
+def require_memory(flags: str, need_bytes: float, device: torch.device) -> None:
+    """UsageError naming ``flags`` unless ``need_bytes`` fit in what ``device`` has free now."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = psutil.virtual_memory().available
+    if need_bytes > free:
+        gib = 2**30
+        raise UsageError(
+            f"{flags}: needs at least {need_bytes / gib:,.1f} GiB, the {device.type} has "
+            f"{free / gib:,.1f} GiB free"
+        )
 
 
 def model_config(cfg: PipelineRunConfig, vocab_size: int) -> GPTLikeConfig:

@@ -25,12 +25,21 @@ import torch
 from tqdm import tqdm
 
 from effdl.amp.precision import forward_precision
-from effdl.cli import Run, print_table, require_positive, run_main, seed_everything, start_run
+from effdl.cli import (
+    Run,
+    UsageError,
+    print_table,
+    require_positive,
+    run_main,
+    seed_everything,
+    start_run,
+)
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel, matmul_flops_per_token
 from effdl.models.lm_objective import LMInputs, lm_cross_entropy, lm_inputs, next_token_labels
 from effdl.profiling.timing import peak_memory, take_peak_memory
 
 DTYPES = ["bf16", "tf32", "fp32"]
+MAX_EPOCHS = 100  # a token budget needing more passes over the corpus is refused
 LOSS_TAIL = 20  # final_loss: the mean loss of this many last steps
 
 
@@ -71,7 +80,12 @@ def parse_args() -> tuple[argparse.Namespace, TrainPipelinesConfig]:
 def endless(loader) -> Iterator:
     """Batches of ``loader``, epoch after epoch (samplers advance their epoch on each pass)."""
     while True:
-        yield from loader
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise RuntimeError("the loader yielded no batch in a whole epoch")
 
 
 def train_step(model, opt, inputs: LMInputs, autocast) -> torch.Tensor:
@@ -189,6 +203,17 @@ def train_pipelines(
     return rows
 
 
+def require_epochs(cfg: TrainPipelinesConfig, corpus: runs.Corpus) -> None:
+    """UsageError unless the budget takes at most MAX_EPOCHS passes over the corpus."""
+    epochs = cfg.token_budget / corpus.ids.n_tokens
+    if epochs > MAX_EPOCHS:
+        raise UsageError(
+            f"--token-budget {cfg.token_budget:,} needs {epochs:,.0f} epochs of {corpus.source} "
+            f"({corpus.ids.n_tokens:,} tokens), at most {MAX_EPOCHS}: give a larger --data or "
+            "a smaller --token-budget"
+        )
+
+
 def main() -> None:
     args, cfg = parse_args()
     run = start_run(args, task="task2", logs="train_pipelines.jsonl")
@@ -196,6 +221,7 @@ def main() -> None:
     autocast = forward_precision(run.device, cfg.dtype)
     corpus = runs.load_corpus(args, cfg.max_length, max_size=cfg.max_vocab)
     print(corpus.describe())
+    require_epochs(cfg, corpus)
     model_cfg = runs.model_config(cfg, len(corpus.vocab))
     warm_up(cfg, model_cfg, run, autocast)
     rows = train_pipelines(cfg, corpus, model_cfg, run, autocast)

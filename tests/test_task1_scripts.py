@@ -2,14 +2,18 @@
 
 import dataclasses
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
-from effdl.cli import UsageError
+from effdl.cli import UsageError, run_main
+from effdl.data.images import SyntheticCarvanaConfig, generate_synthetic_carvana
+from effdl.results import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK1 = ROOT / "task1_loss_scaling"
@@ -40,11 +44,19 @@ def test_presets_are_valid(preset):
         (unet.QUICK, {"multi_seed_modes": ["fp8"]}, r"--multi-seed-modes: unknown \['fp8'\]"),
         (unet.QUICK, {"amp_dtype": "fp8"}, r"--amp-dtype: unknown \['fp8'\]"),
         (unet.QUICK, {"workers": 0}, "--workers must be >= 1, got 0"),
+        (unet.QUICK, {"n_images": -5}, "--n-images must be >= 1, got -5"),
+        (unet.QUICK, {"n_images": 0}, "--n-images must be >= 1, got 0"),
+        (unet.QUICK, {"epochs": 0}, "--epochs must be >= 1, got 0"),
+        (unet.QUICK, {"growth_interval": 0}, "--growth-interval must be >= 1, got 0"),
+        (unet.QUICK, {"static_scale": 0.0}, "--static-scale must be > 0, got 0.0"),
         (lm.QUICK, {"d_model": 60}, "--d-model must be a multiple of 8"),
         (lm.QUICK, {"steps": 1}, "--steps must be >= 2, got 1"),
         (lm.QUICK, {"pipeline": "fast"}, r"--pipeline: unknown \['fast'\]"),
         (lm.QUICK, {"static_scale": float("nan")}, "--static-scale must be > 0, got nan"),
         (lm.QUICK, {"timing_batch_sizes": [4, 0]}, "--timing-batch-sizes must be >= 1, got 0"),
+        (lm.QUICK, {"lr": float("nan")}, "--lr must be >= 0, got nan"),
+        (lm.QUICK, {"k": -3}, "--k must be >= 0, got -3"),
+        (lm.QUICK, {"growth_interval": 0}, "--growth-interval must be >= 1, got 0"),
     ],
 )
 def test_validation_names_the_flag(preset, change, message):
@@ -79,3 +91,92 @@ def test_bad_flag_exits_2_with_one_line_and_no_log(tmp_path, script, argv, messa
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{script}: error: {message}"), res.stderr
     assert list(tmp_path.iterdir()) == []  # refused before any log was opened
+
+
+def run_script(module, argv: list[str], out: Path, monkeypatch, capsys) -> tuple[int, list[str]]:
+    """``<script> --quick ARGV --out OUT`` in this process, as run_main runs it: (exit code,
+    stderr lines)."""
+    name = module.__name__.removeprefix("task1_") + ".py"
+    monkeypatch.setattr(sys, "argv", [name, "--quick", *argv, "--out", str(out)])
+    with pytest.raises(SystemExit) as e:
+        run_main(module.main)
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_lm_samples_that_cannot_fit_in_memory_are_refused(tmp_path, monkeypatch, capsys):
+    code, err = run_script(lm, ["--n-samples", str(10**10)], tmp_path, monkeypatch, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        "lm_precision.py: error: --n-samples 10,000,000,000: the generated text needs at least "
+    )
+    assert err[0].endswith("GiB free")
+    assert read_records(tmp_path / "lm_precision.jsonl") == []
+
+
+@pytest.fixture(scope="module")
+def carvana(tmp_path_factory) -> Path:
+    config = SyntheticCarvanaConfig(n_images=6, width=96, height=64, views_per_car=3, seed=3)
+    return generate_synthetic_carvana(tmp_path_factory.mktemp("carvana") / "set", config, 1)
+
+
+def damage(root: Path, where: Path, what: str) -> Path:
+    """A copy of the Carvana set at ``root`` under ``where`` with its third pair damaged."""
+    copy = shutil.copytree(root, where / "set")
+    image = sorted((copy / "train").glob("*.jpg"))[2]
+    mask = copy / "train_masks" / f"{image.stem}_mask.gif"
+    if what == "truncated_jpeg":
+        image.write_bytes(image.read_bytes()[:600])
+        return image
+    if what == "corrupt_gif":
+        mask.write_bytes(b"GIF89a and then nothing")
+        return mask
+    Image.new("L", (50, 40)).save(mask)
+    return mask
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("truncated_jpeg", "{file}: cannot decode this image ("),
+        ("corrupt_gif", "{file}: cannot decode this image ("),
+        ("other_size", "{file}: mask is 50x40, its image {name} is 96x64 (expected the same size)"),
+    ],
+)
+def test_damaged_carvana_file_is_named_in_one_line(
+    carvana, what, message, tmp_path, monkeypatch, capsys
+):
+    bad = damage(carvana, tmp_path, what)
+    name = bad.name.removesuffix("_mask.gif") + ".jpg"
+    argv = ["--data", str(tmp_path / "set"), "--cache", str(tmp_path / "cache"), "--workers", "2"]
+    code, err = run_script(unet, argv, tmp_path / "out", monkeypatch, capsys)
+    assert code == 2 and len(err) == 1, err
+    expected = "train_unet.py: error: --data: " + message.format(file=bad, name=name)
+    assert err[0].startswith(expected), err
+    assert all(read_records(log) == [] for log in (tmp_path / "out").iterdir())
+
+
+class Killed(Exception):
+    """Stands for a SIGKILL: nothing after it runs."""
+
+
+def test_a_killed_lm_run_keeps_every_checked_step_on_disk(tmp_path, monkeypatch, capsys):
+    step, calls = lm.train_step, []
+
+    def dies_after_the_first_window(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > lm.CHECK_EVERY + 2:
+            raise Killed
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "train_step", dies_after_the_first_window)
+    with pytest.raises(Killed):
+        run_script(
+            lm,
+            ["--n-samples", "300", "--d-model", "16", "--setups", "fp32"],
+            tmp_path,
+            monkeypatch,
+            capsys,
+        )
+    records = read_records(tmp_path / "lm_precision.jsonl")
+    assert [r["metrics"]["step"] for r in records] == list(range(lm.CHECK_EVERY))
+    assert all(r["config"]["kind"] == "step" for r in records)

@@ -1,6 +1,13 @@
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from effdl.cli import run_main
 from effdl.profiling.epoch import EpochTiming
+from effdl.results import read_records
 from tests.script_loading import load_script as load_task_script
 
 
@@ -30,3 +37,96 @@ def test_epoch_is_set_against_the_run_yardstick_and_the_adjacent_one():
     assert m["compute_over_ideal_adjacent"] == pytest.approx(2.0)
     assert m["epoch_over_ideal_adjacent"] == pytest.approx(3.0)
     assert m["padding_fraction"] == pytest.approx(0.25)
+
+
+def run_script(name: str, argv: list[str], out: Path, monkeypatch, capsys):
+    """``<name>.py --quick ARGV --out OUT`` in this process, as run_main runs it: (exit code,
+    stderr lines)."""
+    module = load_script(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--quick", *argv, "--out", str(out)])
+    with pytest.raises(SystemExit) as e:
+        run_main(module.main)
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def no_records(out: Path) -> bool:
+    return not out.exists() or all(read_records(log) == [] for log in out.iterdir())
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("corpora")
+    null, few = root / "null.parquet", root / "few.parquet"
+    pq.write_table(pa.table({"text": pa.array([None, None, None], pa.string())}), null)
+    pq.write_table(pa.table({"text": ["the cat sat on the mat", "a dog ran", "hello"]}), few)
+    return {"null": null, "few": few}
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "message"),
+    [
+        ("mock_epoch", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("mock_epoch", ["--max-length", "1"], "--max-length must be >= 2, got 1"),
+        ("mock_epoch", ["--max-batches", "0"], "--max-batches must be >= 1, got 0"),
+        ("mock_epoch", ["--max-batches", "-1"], "--max-batches must be >= 1, got -1"),
+        ("mock_epoch", ["--workers", "-1"], "--workers must be >= 0, got -1"),
+        ("mock_epoch", ["--dense-iters", "0"], "--dense-iters must be >= 1, got 0"),
+        ("mock_epoch", ["--n-layers", "0"], "--n-layers must be >= 1, got 0"),
+        (
+            "mock_epoch",
+            ["--batch-size", "1000000000"],
+            "--batch-size 1000000000 x --max-length 128: needs at least ",
+        ),
+        ("mock_epoch", ["--data", "{null}"], "--data"),
+        ("train_pipelines", ["--max-length", "1"], "--max-length must be >= 2, got 1"),
+        ("train_pipelines", ["--data", "{null}"], "--data"),
+        (
+            "train_pipelines",
+            ["--data", "{few}"],
+            "--token-budget 40,000 needs 4,000 epochs of {few} (10 tokens), at most 100",
+        ),
+        ("sampler_costs", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        ("sampler_costs", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("packing_costs", ["--corpus", "{null}"], "--corpus: {null}"),
+        (
+            "packing_costs",
+            ["--capacity", "1", "--overlong", "drop"],
+            "--capacity 1 --overlong drop: all 1,000 documents are longer than the capacity",
+        ),
+    ],
+)
+def test_refused_in_one_line_without_records(
+    corpora, script, argv, message, tmp_path, monkeypatch, capsys
+):
+    argv = [a.format(**corpora) for a in argv]
+    code, err = run_script(script, argv, tmp_path / "out", monkeypatch, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{script}.py: error: {message.format(**corpora)}"), err
+    if "{null}" in argv or str(corpora["null"]) in argv:
+        assert str(corpora["null"]) in err[0]
+    assert no_records(tmp_path / "out")
+
+
+@pytest.mark.parametrize("size", ["nan", "inf", "1.5", "ten"])
+def test_packing_sizes_must_be_whole_counts(size, tmp_path, monkeypatch, capsys):
+    code, err = run_script("packing_costs", ["--sizes", size], tmp_path, monkeypatch, capsys)
+    assert code == 2
+    assert err[-1] == (
+        "packing_costs.py: error: argument --sizes: expected a whole number such as 1000 or "
+        f"1.8e6, got '{size}'"
+    )
+
+
+def test_concatenation_packs_the_documents_drop_keeps(tmp_path, monkeypatch, capsys):
+    argv = ["--sizes", "2000", "--capacity", "100", "--overlong", "drop"]
+    code, _ = run_script("packing_costs", argv, tmp_path, monkeypatch, capsys)
+    assert code == 0
+    by = {r["config"]["algorithm"]: r["metrics"] for r in read_records(tmp_path / "packing.jsonl")}
+    assert by["ffd"]["n_dropped"] > 0
+    assert by["concat"]["lower_bound"] == by["ffd"]["lower_bound"] == by["bfd"]["lower_bound"]
+
+
+def test_training_never_spins_on_an_empty_loader():
+    endless = load_script("train_pipelines").endless([])
+    with pytest.raises(RuntimeError, match="no batch in a whole epoch"):
+        next(endless)

@@ -35,6 +35,11 @@ class CarvanaLayoutError(ValueError):
     """The folder is not in the Carvana layout; the message says what is missing, in one line."""
 
 
+class CarvanaFileError(CarvanaLayoutError):
+    """An image or mask that cannot be decoded, or a mask of another size than its image; the
+    message names the file, in one line."""
+
+
 def carvana_pairs(root: str | os.PathLike) -> list[tuple[Path, Path]]:
     """``(image, mask)`` paths for every ``train/*.jpg``, sorted by name.
 
@@ -61,12 +66,30 @@ def carvana_pairs(root: str | os.PathLike) -> list[tuple[Path, Path]]:
 def load_pair(image: Path, mask: Path, size: int) -> tuple[np.ndarray, np.ndarray]:
     """Decode one pair, resized to ``size x size`` (bilinear for both, as the course's
     ``Resize``), as ``uint8`` arrays: image ``3 x size x size`` and mask ``size x size`` in {0, 1}
-    (mask > 0 -> 1, the course's rule)."""
-    with Image.open(image) as im:
-        rgb = np.asarray(im.convert("RGB").resize((size, size), Image.BILINEAR))
-    with Image.open(mask) as m:
-        mk = np.asarray(m.convert("L").resize((size, size), Image.BILINEAR)) > 0
+    (mask > 0 -> 1, the course's rule).
+
+    Raises :class:`CarvanaFileError` naming the file when one cannot be decoded, or when the
+    mask's size differs from its image's.
+    """
+    im, m = _decode(image, "RGB"), _decode(mask, "L")
+    if im.size != m.size:
+        raise CarvanaFileError(
+            f"{mask}: mask is {m.size[0]}x{m.size[1]}, its image {image.name} is "
+            f"{im.size[0]}x{im.size[1]} (expected the same size)"
+        )
+    rgb = np.asarray(im.resize((size, size), Image.BILINEAR))
+    mk = np.asarray(m.resize((size, size), Image.BILINEAR)) > 0
     return np.ascontiguousarray(rgb.transpose(2, 0, 1)), mk.astype(np.uint8)
+
+
+def _decode(path: Path, mode: str) -> Image.Image:
+    """The whole image at ``path`` in ``mode``; a file PIL cannot decode is a CarvanaFileError."""
+    try:
+        with Image.open(path) as im:
+            return im.convert(mode)  # decodes every pixel: a truncated file fails here
+    except (OSError, ValueError, EOFError, SyntaxError, Image.DecompressionBombError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CarvanaFileError(f"{path}: cannot decode this image ({msg})") from None
 
 
 def _load_pair_args(args: tuple[Path, Path, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -106,9 +129,9 @@ def load_carvana_tensors(
                 st = f.stat()
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
         cache = Path(cache_dir) / f"carvana_{size}px_{h.hexdigest()[:16]}.pt"
-        if cache.is_file():
-            blob = torch.load(cache, weights_only=True)
-            return SegmentationTensors(blob["images"], blob["masks"], list(blob["names"]))
+        cached = _load_cache(cache, len(pairs), size)
+        if cached is not None:
+            return cached
     images = torch.empty((len(pairs), 3, size, size), dtype=torch.uint8)
     masks = torch.empty((len(pairs), size, size), dtype=torch.uint8)
     jobs = [(img, msk, size) for img, msk in pairs]
@@ -119,6 +142,21 @@ def load_carvana_tensors(
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         torch.save({"images": images, "masks": masks, "names": data.names}, tmp)
         os.replace(tmp, cache)
+    return data
+
+
+def _load_cache(cache: Path, n: int, size: int) -> SegmentationTensors | None:
+    """The tensors stored in ``cache``; None (a miss: rebuilt and rewritten) when the file is
+    missing, unreadable or not the ``n`` pairs at ``size``."""
+    if not cache.is_file():
+        return None
+    try:
+        blob = torch.load(cache, weights_only=True)
+        data = SegmentationTensors(blob["images"], blob["masks"], list(blob["names"]))
+    except Exception:  # any damage (truncated zip, unpickling, missing keys) is a cache miss
+        return None
+    if data.images.shape != (n, 3, size, size) or data.masks.shape != (n, size, size):
+        return None
     return data
 
 

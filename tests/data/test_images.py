@@ -1,9 +1,12 @@
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from effdl.data.images import (
+    CarvanaFileError,
     CarvanaLayoutError,
     SyntheticCarvanaConfig,
     carvana_pairs,
@@ -89,3 +92,39 @@ def test_layout_errors_are_one_line_and_name_the_problem(tmp_path):
 def test_invalid_config():
     with pytest.raises(ValueError):
         generate_synthetic_carvana("/tmp/never-written", SyntheticCarvanaConfig(n_images=0))
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("truncated_jpeg", r"train/{stem}\.jpg: cannot decode this image \("),
+        ("corrupt_gif", r"train_masks/{stem}_mask\.gif: cannot decode this image \("),
+        ("other_size", r"{stem}_mask\.gif: mask is 50x40, its image {stem}\.jpg is 96x64"),
+    ],
+)
+def test_damaged_file_is_named_in_one_line(synthetic_root, tmp_path, what, message):
+    root = shutil.copytree(synthetic_root, tmp_path / "set")
+    image, mask = carvana_pairs(root)[4]
+    if what == "truncated_jpeg":
+        image.write_bytes(image.read_bytes()[:600])
+    elif what == "corrupt_gif":
+        mask.write_bytes(b"GIF89a and then nothing")
+    else:
+        Image.new("L", (50, 40)).save(mask)
+    with pytest.raises(CarvanaFileError, match=message.format(stem=image.stem)) as e:
+        load_carvana_tensors(root, size=32, workers=2)  # raised in a worker, named here
+    assert "\n" not in str(e.value)
+    assert isinstance(e.value, CarvanaLayoutError)  # scripts catch the one class
+
+
+@pytest.mark.parametrize("damage", [b"", b"not a torch file", None])
+def test_damaged_tensor_cache_is_a_miss_and_rewritten(synthetic_root, tmp_path, damage):
+    good = load_carvana_tensors(synthetic_root, size=32, cache_dir=tmp_path, workers=1)
+    (cache,) = tmp_path.glob("carvana_32px_*.pt")
+    if damage is None:  # a whole file of other tensors
+        torch.save({"images": good.images[:2], "masks": good.masks[:2], "names": ["a"]}, cache)
+    else:
+        cache.write_bytes(damage)
+    again = load_carvana_tensors(synthetic_root, size=32, cache_dir=tmp_path, workers=1)
+    assert torch.equal(again.images, good.images) and again.names == good.names
+    assert torch.load(cache, weights_only=True)["names"] == good.names
