@@ -100,6 +100,8 @@ def device_from_arg(arg: str) -> torch.device:
         dev = resolve_device(arg)
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"--device: cannot parse {arg!r} ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {arg}: expected cpu or cuda (or auto)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(
             f"--device {arg}: CUDA is not available on this machine (use --device cpu)"
@@ -167,6 +169,27 @@ def _show(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return " ".join(map(str, value))
     return str(value)
+
+
+def require_memory(
+    flags: str, need_bytes: float, device: torch.device | str, what: str = ""
+) -> None:
+    """UsageError naming ``flags`` unless ``need_bytes`` fit in what ``device`` has free now
+    (GPU memory on CUDA, the host's available memory otherwise); ``what`` says what needs it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if need_bytes > free:
+        gib = 2**30
+        where = "the host" if device.type == "cpu" else f"the {device.type}"
+        raise UsageError(
+            f"{flags}: {what + ' ' if what else ''}needs at least {need_bytes / gib:,.1f} GiB, "
+            f"{where} has {free / gib:,.1f} GiB free"
+        )
 
 
 def require_positive(cfg: Any, *names: str, minimum: float = 1) -> None:

@@ -40,7 +40,7 @@ from effdl.cli import (
     start_run,
 )
 from effdl.data.corpus import CorpusFormatError, read_wikitext
-from effdl.data.token_streams import step_batches, synthetic_stream
+from effdl.data.token_streams import step_batches, synthetic_stream, text_stream
 from effdl.models.gpt2 import (
     SHAPES,
     build_gpt2,
@@ -290,42 +290,12 @@ def make_batches(cfg: TrainConfig, vocab: int, seed: int) -> list[torch.Tensor]:
         if not lines:
             raise UsageError(f"--data: {cfg.data} holds no non-empty text")
         stream = functools.partial(
-            lines_stream, lines, vocab=vocab, tokenizer_dir=cfg.model_path, source=cfg.data
+            text_stream, lines, vocab=vocab, tokenizer_dir=cfg.model_path, source=cfg.data
         )
     try:
         return step_batches(stream, cfg.steps, cfg.batch, cfg.seq, fixed=cfg.fixed_batch)
     except CorpusFormatError as e:
         raise UsageError(f"--data: {e}") from None
-
-
-def lines_stream(
-    lines: list[str], n_tokens: int, vocab: int, tokenizer_dir: Path | None, source: Path
-) -> torch.Tensor:
-    """The first ``n_tokens`` ids of ``lines``, int64: tokenized with
-    ``tokenizer_dir/tokenizer.json`` if there is one, else as UTF-8 bytes (no download)."""
-    tok_file = tokenizer_dir / "tokenizer.json" if tokenizer_dir is not None else None
-    ids: list[int] = []
-    if tok_file is not None and tok_file.is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(tok_file))
-        for line in lines:
-            ids += tokenizer.encode(line).ids
-            if len(ids) >= n_tokens:
-                break
-    else:
-        for line in lines:
-            ids += (line + "\n").encode("utf-8")
-            if len(ids) >= n_tokens:
-                break
-    if len(ids) < n_tokens:
-        raise CorpusFormatError(
-            f"{source} gives {len(ids)} tokens, need {n_tokens} (--steps x --batch x --seq)"
-        )
-    tokens = torch.tensor(ids[:n_tokens], dtype=torch.long)
-    if int(tokens.max()) >= vocab:
-        raise CorpusFormatError(f"{source} gives token id {int(tokens.max())} >= vocab {vocab}")
-    return tokens
 
 
 # ----------------------------------------------------------------------------------- baseline
@@ -619,8 +589,6 @@ def main() -> None:
     model_config = check_model_folder(cfg) or gpt2_config(cfg.size)
     batches = None if cfg.baseline else make_batches(cfg, model_config.vocab_size, args.seed)
     run = start_run(args, task=TASK, logs="gpt2.jsonl")
-    if run.device.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {args.device}: expected cpu or cuda")
     if cfg.baseline:
         rows = run_baseline(cfg, run.device, run.log)
         print_table(rows, title=f"Baseline fwd+bwd on {run.where} (log: {run.log.path})")

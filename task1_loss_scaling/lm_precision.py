@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 from tqdm import tqdm
 
@@ -58,6 +57,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_memory,
     require_path,
     require_positive,
     run_main,
@@ -262,12 +262,7 @@ def require_host_memory(cfg: LMPrecisionConfig, synthetic: SyntheticCorpusConfig
     extrapolated from a pilot of 2,000 lines (a lower bound: tokenizing needs more)."""
     pilot = synthetic_corpus(replace(synthetic, n_lines=2000))
     need = cfg.n_samples * sum(map(sys.getsizeof, pilot)) / max(len(pilot), 1)
-    free = psutil.virtual_memory().available
-    if need > free:
-        raise UsageError(
-            f"--n-samples {cfg.n_samples:,}: the generated text needs at least "
-            f"{need / 2**30:,.1f} GiB, the host has {free / 2**30:,.1f} GiB free"
-        )
+    require_memory(f"--n-samples {cfg.n_samples:,}", need, "cpu", what="the generated text")
 
 
 def split_corpus(corpus: TokenizedCorpus, n_heldout: int, seed: int):

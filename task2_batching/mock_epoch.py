@@ -31,6 +31,7 @@ from effdl.cli import (
     UsageError,
     print_table,
     require_choices,
+    require_memory,
     require_positive,
     run_main,
     start_run,
@@ -304,7 +305,7 @@ def main() -> None:
     cfg = runs.for_device(cfg, run.device)
     # The dense yardstick's batch: its ids and one (rows, length, d_ff) activation, at least.
     dense = cfg.batch_size * cfg.max_length * (8 + 4 * max(cfg.d_model, cfg.d_ff))
-    runs.require_memory(
+    require_memory(
         f"--batch-size {cfg.batch_size} x --max-length {cfg.max_length}", dense, run.device
     )
     corpus = runs.load_corpus(args, cfg.max_length, overflow=cfg.overflow)

@@ -8,7 +8,6 @@ import argparse
 import time
 from dataclasses import dataclass, field, replace
 
-import psutil
 import torch
 from torch.utils.data import DataLoader
 
@@ -126,20 +125,6 @@ def load_corpus(args: argparse.Namespace, max_length: int, **options: object) ->
     if len(ids) == 0 or ids.n_tokens == 0:
         raise UsageError(f"--data: {source}: no non-empty text rows (expected WikiText lines)")
     return Corpus(ids, vocab, source, time.perf_counter() - start)
-
-
-def require_memory(flags: str, need_bytes: float, device: torch.device) -> None:
-    """UsageError naming ``flags`` unless ``need_bytes`` fit in what ``device`` has free now."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = psutil.virtual_memory().available
-    if need_bytes > free:
-        gib = 2**30
-        raise UsageError(
-            f"{flags}: needs at least {need_bytes / gib:,.1f} GiB, the {device.type} has "
-            f"{free / gib:,.1f} GiB free"
-        )
 
 
 def model_config(cfg: PipelineRunConfig, vocab_size: int) -> GPTLikeConfig:

@@ -231,3 +231,11 @@ def test_example_script_refuses_bad_seed_and_out_before_any_work(tmp_path, flags
     assert message in last
     assert all(u.startswith(("usage:", " ")) for u in usage)  # only argparse's usage before it
     assert not (tmp_path / "ceilings.jsonl").exists()
+
+
+def test_require_memory_names_the_flag_and_what_needs_it():
+    from effdl.cli import UsageError, require_memory
+
+    require_memory("--n 1", 1.0, "cpu")  # a byte fits
+    with pytest.raises(UsageError, match=r"^--n 9: the batch needs at least .* GiB, the host has "):
+        require_memory("--n 9", 2.0**70, "cpu", what="the batch")

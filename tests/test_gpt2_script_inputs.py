@@ -114,10 +114,10 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
     [
         ("wrong_layout", "{path}: folder holds neither wiki.train.raw nor wiki.train.tokens"),
         ("empty.txt", "{path}: no non-empty lines"),
-        ("random.bin", "{path}: not UTF-8 text"),
-        ("bad_line.raw", "{path}: not UTF-8 text"),
+        ("random.bin", "{path}:2: not UTF-8 text"),
+        ("bad_line.raw", "{path}:6: not UTF-8 text"),
         ("null.parquet", "{path}"),  # the message is the reader's or the script's
-        ("few.parquet", "{path} gives 30 tokens, need 2048 (--steps x --batch x --seq)"),
+        ("few.parquet", "{path} gives 30 tokens, need 2048"),
     ],
 )
 def test_bad_data_is_refused_before_the_model_and_the_log(
@@ -133,7 +133,7 @@ def test_bad_data_is_refused_before_the_model_and_the_log(
 
 def test_device_other_than_cpu_or_cuda_is_refused(tmp_path, monkeypatch, capsys):
     code, err = run_train(["--device", "meta"], tmp_path, monkeypatch, capsys)
-    assert (code, err) == (2, ["train.py: error: --device meta: expected cpu or cuda"])
+    assert (code, err) == (2, ["train.py: error: --device meta: expected cpu or cuda (or auto)"])
 
 
 def test_given_flags_win_over_quick_and_pretrained_weights_load(

@@ -1,7 +1,7 @@
 """Flat streams of token ids for LM training, and the per-step batches cut from them.
 
 :func:`synthetic_stream` needs no data and is learnable (repeated phrases); :func:`text_stream`
-reads a text file with a local tokenizer, or as raw bytes when there is none (no download).
+tokenizes text lines with a local tokenizer, or as raw bytes when there is none (no download).
 """
 
 from __future__ import annotations
@@ -32,32 +32,44 @@ def synthetic_stream(n_tokens: int, vocab: int, seed: int) -> Tensor:
     return torch.cat(out)[:n_tokens]
 
 
-def text_stream(path: Path, n_tokens: int, vocab: int, tokenizer_dir: Path | None = None) -> Tensor:
-    """The first ``n_tokens`` token ids of a UTF-8 text file, int64.
+def text_stream(
+    lines: list[str],
+    n_tokens: int,
+    vocab: int,
+    tokenizer_dir: Path | None = None,
+    source: str | Path = "text",
+) -> Tensor:
+    """The first ``n_tokens`` token ids of ``lines`` (read by :func:`effdl.data.corpus.read_wikitext`
+    or any reader of text lines), int64.
 
     Tokenized with ``tokenizer_dir/tokenizer.json`` (a Hugging Face tokenizer) if that file
-    exists, else as raw UTF-8 bytes (ids < 256: crude, but needs no download). Raises
-    :class:`CorpusFormatError` naming the file if it cannot be read, is too short, or gives
-    ids outside ``vocab``.
+    exists, else as the UTF-8 bytes of each line and its newline (ids < 256: crude, but needs no
+    download). Raises :class:`CorpusFormatError` naming ``source`` if the lines give too few
+    tokens or ids outside ``vocab``.
     """
-    try:
-        with Path(path).open("rb") as f:
-            raw = f.read(n_tokens * 8)
-    except OSError as e:
-        raise CorpusFormatError(f"{path}: cannot read ({e.strerror or e})") from None
     tok_file = tokenizer_dir / "tokenizer.json" if tokenizer_dir is not None else None
-    if tok_file is not None and tok_file.exists():
+    if tok_file is not None and tok_file.is_file():
         from tokenizers import Tokenizer
 
-        ids = Tokenizer.from_file(str(tok_file)).encode(raw.decode("utf-8", "ignore")).ids
-        tokens = torch.tensor(ids, dtype=torch.long)
+        tokenizer = Tokenizer.from_file(str(tok_file))
+
+        def encode(line: str) -> list[int]:
+            return tokenizer.encode(line).ids
     else:
-        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
-    if tokens.numel() < n_tokens:
-        raise CorpusFormatError(f"{path} gives {tokens.numel()} tokens, need {n_tokens}")
-    tokens = tokens[:n_tokens]
+
+        def encode(line: str) -> list[int]:
+            return list((line + "\n").encode("utf-8"))
+
+    ids: list[int] = []
+    for line in lines:
+        ids += encode(line)
+        if len(ids) >= n_tokens:
+            break
+    if len(ids) < n_tokens:
+        raise CorpusFormatError(f"{source} gives {len(ids)} tokens, need {n_tokens}")
+    tokens = torch.tensor(ids[:n_tokens], dtype=torch.long)
     if int(tokens.max()) >= vocab:
-        raise CorpusFormatError(f"{path} gives token id {int(tokens.max())} >= vocab {vocab}")
+        raise CorpusFormatError(f"{source} gives token id {int(tokens.max())} >= vocab {vocab}")
     return tokens
 
 

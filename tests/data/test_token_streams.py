@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from effdl.data.corpus import CorpusFormatError
+from effdl.data.corpus import CorpusFormatError, read_wikitext
 from effdl.data.token_streams import step_batches, synthetic_stream, text_stream
 
 
@@ -41,9 +41,9 @@ def test_synthetic_stream_is_learnable() -> None:
 def test_text_stream_raw_bytes(tmp_path: Path) -> None:
     path = tmp_path / "wiki.train.raw"
     path.write_text(" = Title = \n héllo\n", encoding="utf-8")
-    tokens = text_stream(path, 10, vocab=50257)
+    tokens = text_stream(read_wikitext(path), 10, vocab=50257)
     assert tokens.dtype == torch.int64
-    assert tokens.tolist() == list(" = Title = \n héllo\n".encode())[:10]
+    assert tokens.tolist() == list(b" = Title = \n")[:10]  # lines as the reader gives them
 
 
 def test_text_stream_with_local_tokenizer(tmp_path: Path) -> None:
@@ -53,22 +53,17 @@ def test_text_stream_with_local_tokenizer(tmp_path: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    path = tmp_path / "text.txt"
-    path.write_text("the cat sat the dog sat\n")
-    assert text_stream(path, 5, vocab=4, tokenizer_dir=tmp_path).tolist() == [1, 2, 3, 1, 0]
+    lines = ["the cat sat", "the dog sat"]
+    assert text_stream(lines, 5, vocab=4, tokenizer_dir=tmp_path).tolist() == [1, 2, 3, 1, 0]
 
 
-def test_text_stream_errors_name_the_file(tmp_path: Path) -> None:
-    with pytest.raises(CorpusFormatError, match=re.escape("missing.txt: cannot read")):
-        text_stream(tmp_path / "missing.txt", 10, vocab=256)
-    short = tmp_path / "short.txt"
-    short.write_text("abc")
-    with pytest.raises(CorpusFormatError, match=re.escape("short.txt gives 3 tokens, need 10")):
-        text_stream(short, 10, vocab=256)
+def test_text_stream_errors_name_the_source() -> None:
+    with pytest.raises(CorpusFormatError, match=re.escape("short.txt gives 4 tokens, need 10")):
+        text_stream(["abc"], 10, vocab=256, source="short.txt")
     with pytest.raises(
         CorpusFormatError, match=re.escape("short.txt gives token id 99 >= vocab 64")
     ):
-        text_stream(short, 3, vocab=64)  # 'c' is byte 99
+        text_stream(["abc"], 3, vocab=64, source="short.txt")  # 'c' is byte 99
 
 
 def test_step_batches_cut_in_order() -> None:
