@@ -46,6 +46,7 @@ from effdl.cli import (
     start_run,
 )
 from effdl.data.images import (
+    CarvanaCacheError,
     CarvanaLayoutError,
     SegmentationTensors,
     SyntheticCarvanaConfig,
@@ -168,6 +169,8 @@ def prepare_data(cfg: UNetConfig) -> tuple[SegmentationTensors, str]:
         )
     except CarvanaLayoutError as e:
         raise UsageError(f"--data: {e}") from None
+    except CarvanaCacheError as e:
+        raise UsageError(f"--cache: {e}") from None
     return data, source
 
 

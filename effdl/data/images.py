@@ -40,6 +40,10 @@ class CarvanaFileError(CarvanaLayoutError):
     message names the file, in one line."""
 
 
+class CarvanaCacheError(ValueError):
+    """The decoded-tensor cache cannot be written there; the message names the path, in one line."""
+
+
 def carvana_pairs(root: str | os.PathLike) -> list[tuple[Path, Path]]:
     """``(image, mask)`` paths for every ``train/*.jpg``, sorted by name.
 
@@ -138,11 +142,23 @@ def load_carvana_tensors(
     _fill(images, masks, map_in_processes(_load_pair_args, jobs, workers, chunksize=16))
     data = SegmentationTensors(images, masks, [img.stem for img, _ in pairs])
     if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-        torch.save({"images": images, "masks": masks, "names": data.names}, tmp)
-        os.replace(tmp, cache)
+        _save_cache(cache, data)
     return data
+
+
+def _save_cache(cache: Path, data: SegmentationTensors) -> None:
+    """Write ``data`` to ``cache`` whole (a per-process temporary file, then a rename)."""
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"images": data.images, "masks": data.masks, "names": data.names}, tmp)
+        os.replace(tmp, cache)
+    except OSError as e:
+        if tmp.is_file():
+            tmp.unlink()
+        raise CarvanaCacheError(
+            f"{cache}: cannot write the tensor cache ({e.strerror or e}; expected a writable folder)"
+        ) from None
 
 
 def _load_cache(cache: Path, n: int, size: int) -> SegmentationTensors | None:

@@ -6,6 +6,7 @@ import torch
 from PIL import Image
 
 from effdl.data.images import (
+    CarvanaCacheError,
     CarvanaFileError,
     CarvanaLayoutError,
     SyntheticCarvanaConfig,
@@ -128,3 +129,22 @@ def test_damaged_tensor_cache_is_a_miss_and_rewritten(synthetic_root, tmp_path, 
     again = load_carvana_tensors(synthetic_root, size=32, cache_dir=tmp_path, workers=1)
     assert torch.equal(again.images, good.images) and again.names == good.names
     assert torch.load(cache, weights_only=True)["names"] == good.names
+
+
+@pytest.mark.parametrize("blocker", ["a file", "a folder"])
+def test_unwritable_tensor_cache_is_one_error_naming_it(synthetic_root, tmp_path, blocker):
+    if blocker == "a file":  # the cache folder is a file
+        cache_dir = tmp_path / "cache"
+        cache_dir.write_text("x")
+    else:  # the cache file's name is taken by a folder
+        cache_dir = tmp_path
+        load_carvana_tensors(synthetic_root, size=32, cache_dir=cache_dir, workers=1)
+        (cache,) = cache_dir.glob("carvana_32px_*.pt")
+        cache.unlink()
+        cache.mkdir()
+        (cache / "keep").write_text("x")
+    with pytest.raises(
+        CarvanaCacheError, match=r"carvana_32px_.*\.pt: cannot write the tensor cache"
+    ):
+        load_carvana_tensors(synthetic_root, size=32, cache_dir=cache_dir, workers=1)
+    assert not list(tmp_path.rglob("*.tmp*"))
