@@ -164,3 +164,26 @@ def test_the_command_line_exits_2_with_one_line(folders, tmp_path):
         "expected 'gpt2'"
     ]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--micro-batch", "0"], "--micro-batch"),
+        (["--seq", "0"], "--seq"),
+        (["--batch", "3", "--micro-batch", "2"], "--batch 3 is not a multiple of --micro-batch 2"),
+        (["--batch", "-4"], "--batch"),
+        (["--checkpoint-layers", "99"], "--checkpoint-layers"),
+        (["--chunk-tokens", "0"], "--chunk-tokens"),
+        (["--cpu-threads", "-3"], "--cpu-threads"),
+        (["--lr", "-1"], "--lr"),
+        (["--weight-decay", "nan"], "--weight-decay"),
+    ],
+)
+def test_nonsense_flags_are_refused_in_one_line(argv, flag, tmp_path, monkeypatch, capsys):
+    code, err = run_train(argv, tmp_path / "out", monkeypatch, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("train.py: error: ") and flag in err[0], err
+    assert not (tmp_path / "out" / "gpt2.jsonl").exists() or not read_records(
+        tmp_path / "out" / "gpt2.jsonl"
+    )
