@@ -38,6 +38,7 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 try:
     import triton
@@ -219,6 +220,7 @@ class FusedLayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         _, want_dw, want_db, _, _ = ctx.needs_input_grad
