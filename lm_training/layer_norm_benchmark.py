@@ -227,7 +227,7 @@ def benchmark_shape(
     built = [layer_norm_variant(v, shape, dtype, cfg, device) for v in variants]
     results = time_variants(built, cfg.harness(), device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    on_triton = uses_triton(torch.empty(0, device=device, dtype=dtype), shape.hidden)
+    on_triton = uses_triton(torch.empty(1, device=device, dtype=dtype), shape.hidden)
     fused_path = "triton" if on_triton else "pytorch"
     config = {
         "tokens": shape.tokens,

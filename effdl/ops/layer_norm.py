@@ -113,10 +113,12 @@ if triton is not None:
 
 def uses_triton(x: torch.Tensor, width: int) -> bool:
     """Whether :func:`fused_layer_norm` runs the Triton kernels for ``x`` with rows of ``width``:
-    triton imports, ``x`` is a CUDA tensor of fp32, fp16 or bf16, and a row fits one program."""
+    triton imports, ``x`` is a non-empty CUDA tensor of fp32, fp16 or bf16, and a row fits one
+    program."""
     return (
         triton is not None
         and x.is_cuda
+        and x.numel() > 0
         and x.dtype in TRITON_DTYPES
         and 0 < width <= MAX_TRITON_WIDTH
     )
@@ -168,9 +170,10 @@ def _triton_backward(dy, x, weight, mean, rstd, want_dw, want_db):
         HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
         BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
-    dw = dw_part.sum(0) if want_dw else None
-    db = db_part.sum(0) if want_db else None
-    return dx, dw, db
+    if not (want_dw or want_db):
+        return dx, None, None
+    sums = partial.sum(1)  # one launch for both
+    return dx, sums[0] if want_dw else None, sums[-1] if want_db else None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -94,7 +94,7 @@ def check_against_reference(shape, normalized_shape, affine, dtype, device, cont
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
 def test_torch_path_matches_f_layer_norm(shape, normalized_shape, affine, dtype, contiguous):
-    assert not uses_triton(torch.empty(0), 64)
+    assert not uses_triton(torch.empty(1), 64)
     check_against_reference(shape, normalized_shape, affine, dtype, "cpu", contiguous)
 
 
@@ -117,6 +117,14 @@ def test_gradients_only_for_inputs_that_need_them():
     w.requires_grad_(False)
     fused_layer_norm(x.detach(), w, b).backward(dy)
     assert w.grad is None and b.grad is not None
+
+
+def test_empty_input_gives_empty_output_and_zero_parameter_grads():
+    x = torch.empty(0, 3, 8, requires_grad=True)
+    ln = FusedLayerNorm(8)
+    ln(x).sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(ln.weight.grad, torch.zeros(8)) and torch.equal(ln.bias.grad, torch.zeros(8))
 
 
 def test_shape_mismatch_is_refused():
@@ -235,7 +243,7 @@ GPU_SHAPES = [
 def test_cuda_kernels_match_f_layer_norm(shape, normalized_shape, affine, dtype):
     pytest.importorskip("triton")
     width = torch.Size(normalized_shape).numel()
-    assert uses_triton(torch.empty(0, device="cuda", dtype=dtype), width)
+    assert uses_triton(torch.empty(1, device="cuda", dtype=dtype), width)
     for contiguous in (True, False):
         check_against_reference(shape, normalized_shape, affine, dtype, "cuda", contiguous)
 
@@ -243,7 +251,7 @@ def test_cuda_kernels_match_f_layer_norm(shape, normalized_shape, affine, dtype)
 @pytest.mark.gpu
 def test_cuda_rows_too_wide_for_one_program_take_the_torch_path():
     width = 2 * MAX_TRITON_WIDTH
-    assert not uses_triton(torch.empty(0, device="cuda"), width)
+    assert not uses_triton(torch.empty(1, device="cuda"), width)
     check_against_reference((8, width), (width,), (True, True), torch.bfloat16, "cuda", True)
 
 
