@@ -246,8 +246,9 @@ def fused_layer_norm(
 
     ``normalized_shape`` defaults to ``weight``'s shape, or to ``x``'s last dim when there is no
     weight; ``weight`` and ``bias`` (either may be None) have that shape. ``x`` may be
-    non-contiguous (its rows are copied once if their last dim is strided). Returns a new tensor
-    of ``x``'s shape and dtype; see :func:`uses_triton` for which path runs.
+    non-contiguous (copied once where its rows cannot be viewed with a unit column stride).
+    Returns a new tensor of ``x``'s shape and dtype, under autocast too; see
+    :func:`uses_triton` for which path runs.
     """
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)

@@ -127,6 +127,17 @@ def test_empty_input_gives_empty_output_and_zero_parameter_grads():
     assert torch.equal(ln.weight.grad, torch.zeros(8)) and torch.equal(ln.bias.grad, torch.zeros(8))
 
 
+def test_output_keeps_x_dtype_under_autocast():
+    torch.manual_seed(0)
+    ln = FusedLayerNorm(16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ln(x)
+    assert y.dtype == torch.bfloat16
+    expected = F.layer_norm(x.float(), (16,), ln.weight, ln.bias)
+    torch.testing.assert_close(y.float(), expected, rtol=0, atol=2e-2)
+
+
 def test_shape_mismatch_is_refused():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="does not end in"):
