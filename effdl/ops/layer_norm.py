@@ -1,0 +1,299 @@
+"""Fused LayerNorm: one Triton kernel for the forward, one for the backward, a PyTorch path.
+
+For ``x`` viewed as ``(M, N)`` rows (``N`` = the normalized size), per row::
+
+    mean = sum(x) / N,  rstd = 1 / sqrt(sum((x - mean)^2) / N + eps),  xhat = (x - mean) * rstd
+    y = xhat * w + b
+
+and, with ``g = dy * w`` (``dy`` where there is no weight)::
+
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))     (the row means over N)
+    dw = sum over rows of dy * xhat,   db = sum over rows of dy
+
+The forward saves ``x``, ``mean`` and ``rstd`` (two floats per row) and nothing of size ``M x N``
+else; the backward recomputes ``xhat`` from them. Traffic, counting ``M x N`` tensors: the
+forward reads x and writes y (2 passes), the backward reads x and dy and writes dx (3 passes), so
+5 passes per training step, against which the benchmark (``lm_training/layer_norm_benchmark.py``)
+measures achieved bandwidth.
+
+Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
+backward runs a fixed number of programs (a few per SM), each over a contiguous block of rows,
+writing dx row by row and keeping its share of dw and db in fp32 registers; the per-program
+partials (``programs x N``, fp32) are summed by ``torch.sum``: no atomics, so results do not
+depend on scheduling. Inputs and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of
+different ones); every sum is fp32 and each output is rounded once, on store.
+
+The PyTorch path computes the same formulas with torch ops in fp32 (float64 for float64 input).
+It serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` elements (a row must fit
+in one program's registers), and machines where triton does not import; float64 gradcheck on it
+checks the backward's derivation. Which path runs is decided in :func:`uses_triton` only.
+
+Under autocast the output keeps ``x``'s dtype (nn.LayerNorm returns float32 there): the point of
+fusing is to move half the bytes, and the layers that follow cast their input anyway.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path serves every input
+    triton = None
+
+MAX_TRITON_WIDTH = 16384  # elements of one row kept in registers by one program
+PROGRAMS_PER_SM = 4  # backward programs per SM: enough rows in flight to hide latency
+INTERPRETER_PROGRAMS = 4  # backward programs off CUDA (the Triton interpreter)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _forward_kernel(
+        x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, x_stride, y_stride, n, eps,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / n
+        xc = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n + eps)
+        y = xc * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def _backward_kernel(
+        x_ptr, dy_ptr, dx_ptr, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr,
+        x_stride, dy_stride, dx_stride, m, n, rows_per_program,
+        HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        db = tl.zeros((BLOCK,), dtype=tl.float32)
+        first = pid.to(tl.int64) * rows_per_program
+        last = tl.minimum(first + rows_per_program, m)
+        for row in range(first, last):
+            x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (x - tl.load(mean_ptr + row)) * tl.load(rstd_ptr + row), 0.0)
+            g = dy
+            if HAS_W:
+                g = dy * w
+            c_xhat = tl.sum(g * xhat, axis=0) / n
+            c_mean = tl.sum(g, axis=0) / n
+            dx = (g - c_mean - xhat * c_xhat) * tl.load(rstd_ptr + row)
+            tl.store(dx_ptr + row * dx_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if WANT_DW:
+                dw += dy * xhat
+            if WANT_DB:
+                db += dy
+        if WANT_DW:
+            tl.store(dw_ptr + pid * n + cols, dw, mask=mask)
+        if WANT_DB:
+            tl.store(db_ptr + pid * n + cols, db, mask=mask)
+
+
+def uses_triton(x: torch.Tensor, width: int) -> bool:
+    """Whether :func:`fused_layer_norm` runs the Triton kernels for ``x`` with rows of ``width``:
+    triton imports, ``x`` is a non-empty CUDA tensor of fp32, fp16 or bf16, and a row fits one
+    program."""
+    return (
+        triton is not None
+        and x.is_cuda
+        and x.numel() > 0
+        and x.dtype in TRITON_DTYPES
+        and 0 < width <= MAX_TRITON_WIDTH
+    )
+
+
+def _num_warps(block: int) -> int:
+    return min(max(block // 256, 1), 16)
+
+
+def _backward_programs(rows: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(rows, PROGRAMS_PER_SM * sms))
+    return max(1, min(rows, INTERPRETER_PROGRAMS))
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as ``(M, width)`` rows with unit column stride (a copy only where needed)."""
+    rows = t.reshape(-1, width)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _triton_forward(x, weight, bias, eps):
+    m, n = x.shape
+    y = torch.empty_like(x)
+    mean = torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    block = triton.next_power_of_2(n)
+    _forward_kernel[(m,)](
+        x, y, weight if weight is not None else x, bias if bias is not None else x,
+        mean, rstd, x.stride(0), y.stride(0), n, eps,
+        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=_num_warps(block),
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def _triton_backward(dy, x, weight, mean, rstd, want_dw, want_db):
+    m, n = x.shape
+    dx = torch.empty_like(x)
+    programs = _backward_programs(m, x.device)
+    partial = torch.empty(
+        (2 if want_dw and want_db else 1, programs, n), device=x.device, dtype=torch.float32
+    )
+    dw_part, db_part = partial[0], partial[-1]
+    block = triton.next_power_of_2(n)
+    _backward_kernel[(programs,)](
+        x, dy, dx, weight if weight is not None else x, mean, rstd, dw_part, db_part,
+        x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
+        HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
+        BLOCK=block, num_warps=_num_warps(block),
+    )  # fmt: skip
+    if not (want_dw or want_db):
+        return dx, None, None
+    sums = partial.sum(1)  # one launch for both
+    return dx, sums[0] if want_dw else None, sums[-1] if want_db else None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _torch_forward(x, weight, bias, eps):
+    xf = x.to(_compute_dtype(x))
+    mean = xf.mean(-1)
+    xc = xf - mean[:, None]
+    rstd = torch.rsqrt((xc * xc).mean(-1) + eps)
+    y = xc * rstd[:, None]
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype), mean, rstd
+
+
+def _torch_backward(dy, x, weight, mean, rstd, want_dw, want_db):
+    cdt = _compute_dtype(x)
+    dyf = dy.to(cdt)
+    xhat = (x.to(cdt) - mean[:, None]) * rstd[:, None]
+    g = dyf * weight.to(cdt) if weight is not None else dyf
+    dx = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd[:, None]
+    dw = (dyf * xhat).sum(0) if want_dw else None
+    db = dyf.sum(0) if want_db else None
+    return dx.to(x.dtype), dw, db
+
+
+class FusedLayerNormFunction(torch.autograd.Function):
+    """Autograd Function over ``(M, N)`` rows: ``apply(x, weight, bias, eps, use_triton)``.
+
+    ``x`` has unit column stride; ``weight``, ``bias`` are ``(N,)`` or None. Saves ``x``,
+    ``weight`` and the fp32 (float64 for float64 input) per-row ``mean`` and ``rstd``;
+    ``use_triton`` picks the kernels or the PyTorch path for both passes. Gradients come back
+    in their inputs' dtypes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, use_triton):
+        forward = _triton_forward if use_triton else _torch_forward
+        y, mean, rstd = forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.use_triton = use_triton
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        _, want_dw, want_db, _, _ = ctx.needs_input_grad
+        backward = _triton_backward if ctx.use_triton else _torch_backward
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx, dw, db = backward(dy, x, weight, mean, rstd, want_dw, want_db)
+        dw = dw.to(weight.dtype) if dw is not None else None
+        db = db.to(ctx.bias_dtype) if db is not None else None
+        return dx, dw, db, None, None
+
+
+def fused_layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    normalized_shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """``F.layer_norm(x, normalized_shape, weight, bias, eps)`` with fused kernels on CUDA.
+
+    ``normalized_shape`` defaults to ``weight``'s shape, or to ``x``'s last dim when there is no
+    weight; ``weight`` and ``bias`` (either may be None) have that shape. ``x`` may be
+    non-contiguous (copied once where its rows cannot be viewed with a unit column stride).
+    Returns a new tensor of ``x``'s shape and dtype, under autocast too; see
+    :func:`uses_triton` for which path runs.
+    """
+    if normalized_shape is None:
+        normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)
+    normalized_shape = tuple(normalized_shape)
+    if tuple(x.shape[x.dim() - len(normalized_shape) :]) != normalized_shape:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not end in {normalized_shape}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != normalized_shape:
+            raise ValueError(f"{name} of shape {tuple(p.shape)}; expected {normalized_shape}")
+    width = math.prod(normalized_shape)
+    w = weight.reshape(width) if weight is not None else None
+    b = bias.reshape(width) if bias is not None else None
+    use_triton = uses_triton(x, width)
+    y = FusedLayerNormFunction.apply(_rows(x, width), w, b, eps, use_triton)
+    return y.reshape(x.shape)
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same constructor, parameters and state_dict) computed by
+    :func:`fused_layer_norm`: fused Triton kernels on CUDA, the PyTorch path elsewhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_layer_norm(x, self.weight, self.bias, self.eps, self.normalized_shape)
+
+
+def swap_layer_norms(module: nn.Module) -> int:
+    """Replace every nn.LayerNorm inside ``module`` (not ``module`` itself) by a FusedLayerNorm
+    holding the same Parameter objects, so optimizers and tied weights keep working. Mutates
+    ``module``; returns how many were replaced. Subclasses of nn.LayerNorm (FusedLayerNorm among
+    them) are left as they are: their forward may differ."""
+    swaps = [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.LayerNorm
+    ]
+    for parent, name, old in swaps:
+        new = FusedLayerNorm(
+            old.normalized_shape,
+            old.eps,
+            old.elementwise_affine,
+            bias=old.bias is not None,
+            device="meta",
+        )
+        new.weight, new.bias = old.weight, old.bias
+        new.train(old.training)
+        setattr(parent, name, new)
+    return len(swaps)

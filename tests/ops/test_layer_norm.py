@@ -1,0 +1,287 @@
+"""Fused LayerNorm against torch's own: F.layer_norm and nn.LayerNorm.
+
+On the CPU: the PyTorch path (outputs, all three gradients, float64 gradcheck), the Triton
+kernels under Triton's interpreter (a subprocess: TRITON_INTERPRET must be set before triton is
+imported), the state_dict and the swap inside a decoder layer. On CUDA (``-m gpu``): the kernels
+in fp32, bf16 and fp16 at LM-like and odd widths.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from effdl.ops.layer_norm import (
+    MAX_TRITON_WIDTH,
+    FusedLayerNorm,
+    fused_layer_norm,
+    swap_layer_norms,
+    uses_triton,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+# Relative to the reference's largest magnitude (at least 1); the reference runs in float64.
+REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+# (x shape, normalized_shape)
+SHAPES = [((6, 33), (33,)), ((2, 5, 64), (64,)), ((3, 4, 6), (4, 6)), ((1, 1), (1,))]
+AFFINE = [(True, True), (True, False), (False, False)]  # (weight, bias)
+
+
+def make_inputs(shape, normalized_shape, affine, dtype, device="cpu", contiguous=True, seed=0):
+    """x (strided where not ``contiguous``), weight, bias (or None), dy; all requiring grad."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = rand(*shape) * 3 + 1
+    if not contiguous:  # the same values, every other element of a twice-as-wide tensor
+        x = torch.stack([x, rand(*shape)], dim=-1)[..., 0]
+    weight = rand(*normalized_shape) + 1 if affine[0] else None
+    bias = rand(*normalized_shape) if affine[1] else None
+    dy = rand(*shape)
+
+    def prep(t):
+        return None if t is None else t.to(device, dtype).requires_grad_(True)
+
+    return prep(x), prep(weight), prep(bias), dy.to(device, dtype)
+
+
+def outputs_and_grads(fn, x, weight, bias, dy):
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    y = fn(x, weight, bias)
+    return [y, *torch.autograd.grad(y, leaves, dy)]
+
+
+def reference(normalized_shape, eps=1e-5):
+    """F.layer_norm on float64 copies of the inputs."""
+
+    def fn(x, weight, bias):
+        as64 = lambda t: None if t is None else t.double()  # noqa: E731
+        return F.layer_norm(as64(x), normalized_shape, as64(weight), as64(bias), eps)
+
+    return fn
+
+
+def ours(normalized_shape, eps=1e-5):
+    return lambda x, w, b: fused_layer_norm(x, w, b, eps, normalized_shape)
+
+
+def assert_rel_close(got, expected, dtype, what):
+    scale = expected.abs().max().clamp_min(1.0)
+    err = (got.double() - expected.double()).abs().max() / scale
+    assert got.dtype == dtype, what
+    assert err <= REL_TOL[dtype], f"{what}: relative error {err:.3g} > {REL_TOL[dtype]}"
+
+
+def check_against_reference(shape, normalized_shape, affine, dtype, device, contiguous):
+    x, w, b, dy = make_inputs(shape, normalized_shape, affine, dtype, device, contiguous)
+    got = outputs_and_grads(ours(normalized_shape), x, w, b, dy)
+    expected = outputs_and_grads(reference(normalized_shape), x, w, b, dy)
+    for name, g, e in zip(["y", "dx", "dw", "db"], got, expected, strict=False):
+        assert_rel_close(g, e, dtype, name)
+
+
+# --------------------------------------------------------------------------- the PyTorch path
+
+
+@pytest.mark.parametrize(("shape", "normalized_shape"), SHAPES, ids=str)
+@pytest.mark.parametrize("affine", AFFINE, ids=["w_b", "w", "none"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
+def test_torch_path_matches_f_layer_norm(shape, normalized_shape, affine, dtype, contiguous):
+    assert not uses_triton(torch.empty(1), 64)
+    check_against_reference(shape, normalized_shape, affine, dtype, "cpu", contiguous)
+
+
+@pytest.mark.parametrize("affine", AFFINE, ids=["w_b", "w", "none"])
+def test_torch_path_gradcheck_float64(affine):
+    x, w, b, _ = make_inputs((4, 3, 7), (3, 7), affine, torch.float64)
+    inputs = tuple(t for t in (x, w, b) if t is not None)
+
+    def fn(*args):
+        it = iter(args[1:])
+        weight = next(it) if affine[0] else None
+        bias = next(it) if affine[1] else None
+        return fused_layer_norm(args[0], weight, bias, 1e-5, (3, 7))
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_gradients_only_for_inputs_that_need_them():
+    x, w, b, dy = make_inputs((5, 8), (8,), (True, True), torch.float32)
+    w.requires_grad_(False)
+    fused_layer_norm(x.detach(), w, b).backward(dy)
+    assert w.grad is None and b.grad is not None
+
+
+def test_empty_input_gives_empty_output_and_zero_parameter_grads():
+    x = torch.empty(0, 3, 8, requires_grad=True)
+    ln = FusedLayerNorm(8)
+    ln(x).sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(ln.weight.grad, torch.zeros(8)) and torch.equal(ln.bias.grad, torch.zeros(8))
+
+
+def test_output_keeps_x_dtype_under_autocast():
+    torch.manual_seed(0)
+    ln = FusedLayerNorm(16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ln(x)
+    assert y.dtype == torch.bfloat16
+    expected = F.layer_norm(x.float(), (16,), ln.weight, ln.bias)
+    torch.testing.assert_close(y.float(), expected, rtol=0, atol=2e-2)
+
+
+def test_shape_mismatch_is_refused():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="does not end in"):
+        fused_layer_norm(x, None, None, 1e-5, (6,))
+    with pytest.raises(ValueError, match="bias of shape"):
+        fused_layer_norm(x, torch.ones(8), torch.zeros(6), 1e-5, (8,))
+
+
+# --------------------------------------------------------------------------- the module
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"bias": False}, {"elementwise_affine": False}, {"eps": 1e-3}],
+    ids=["default", "no_bias", "no_affine", "eps"],
+)
+def test_state_dict_round_trip_with_nn_layer_norm(kwargs):
+    torch.manual_seed(0)
+    ref = nn.LayerNorm((4, 6), **kwargs)
+    for p in ref.parameters():
+        nn.init.normal_(p)
+    fused = FusedLayerNorm((4, 6), **kwargs)
+    fused.load_state_dict(ref.state_dict())
+    back = nn.LayerNorm((4, 6), **kwargs)
+    back.load_state_dict(fused.state_dict())
+    assert fused.state_dict().keys() == ref.state_dict().keys()
+    for name, t in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    x = torch.randn(3, 4, 6)
+    torch.testing.assert_close(fused(x), ref(x))
+
+
+def test_swap_inside_decoder_layer_keeps_outputs_and_parameters():
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    for norm in (layer.norm1, layer.norm2, layer.norm3):  # away from the 1/0 init
+        nn.init.normal_(norm.weight)
+        nn.init.normal_(norm.bias)
+    tgt, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    expected = layer(tgt, memory)
+    params = {name: p for name, p in layer.named_parameters()}
+
+    assert swap_layer_norms(layer) == 3
+    assert all(type(n) is FusedLayerNorm for n in (layer.norm1, layer.norm2, layer.norm3))
+    assert {name: p for name, p in layer.named_parameters()} == params  # the same objects
+    torch.testing.assert_close(layer(tgt, memory), expected)
+    assert swap_layer_norms(layer) == 0
+
+
+# --------------------------------------------------------------------------- Triton interpreter
+
+_INTERPRETED_KERNEL_CHECK = """
+import torch, torch.nn.functional as F
+from effdl.ops.layer_norm import FusedLayerNormFunction
+torch.manual_seed(0)
+# (rows, width, weight, bias): odd widths, rows not a multiple of the backward's programs
+CASES = [(7, 33, True, True), (5, 64, True, False), (3, 100, False, False), (9, 1, True, True)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+for dtype, tol in TOL.items():
+    for m, n, has_w, has_b in CASES:
+        base = torch.randn(m, 2 * n, dtype=torch.float64) * 3 + 1
+        x = base[:, :n]  # rows of stride 2n: the kernels take the row stride
+        w = torch.randn(n, dtype=torch.float64) + 1 if has_w else None
+        b = torch.randn(n, dtype=torch.float64) if has_b else None
+        dy = torch.randn(m, n, dtype=torch.float64)
+        leaves = [t for t in (x, w, b) if t is not None]
+        low = [t.to(dtype).requires_grad_(True) for t in leaves]
+        x_, w_, b_ = low[0], (low[1] if has_w else None), (low[-1] if has_b else None)
+        y = FusedLayerNormFunction.apply(x_, w_, b_, 1e-5, True)
+        got = [y, *torch.autograd.grad(y, low, dy.to(dtype))]
+        ref = [t.detach().to(dtype).double().requires_grad_(True) for t in leaves]
+        xr, wr, br = ref[0], (ref[1] if has_w else None), (ref[-1] if has_b else None)
+        yr = F.layer_norm(xr, (n,), wr, br, 1e-5)
+        expected = [yr, *torch.autograd.grad(yr, ref, dy.to(dtype).double())]
+        for name, g, e in zip(("y", "dx", "dw", "db"), got, expected):
+            assert g.dtype == dtype, (name, g.dtype)
+            err = (g.double() - e).abs().max() / e.abs().max().clamp_min(1.0)
+            assert err <= tol, (dtype, m, n, name, float(err))
+# y.sum(0) hands the backward a dy whose rows all alias one row (row stride 0)
+x = torch.randn(6, 40, requires_grad=True)
+w = torch.randn(40, requires_grad=True)
+v = torch.randn(40)
+got = torch.autograd.grad(FusedLayerNormFunction.apply(x, w, None, 1e-5, True).sum(0), [x, w], v)
+expected = torch.autograd.grad(F.layer_norm(x, (40,), w, None, 1e-5).sum(0), [x, w], v)
+for g, e in zip(got, expected):
+    assert (g - e).abs().max() <= 1e-5 * e.abs().max(), "stride-0 dy"
+print("kernels ok")
+"""
+
+
+def test_triton_kernels_in_interpreter_match_f_layer_norm():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_KERNEL_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "kernels ok" in proc.stdout
+
+
+# --------------------------------------------------------------------------- CUDA
+
+GPU_SHAPES = [
+    ((4096, 768), (768,)),
+    ((2, 1000, 1024), (1024,)),
+    ((513, 4096), (4096,)),
+    ((300, 1000), (1000,)),  # widths that are no power of 2
+    ((77, 5120), (5120,)),
+    ((8, 3, 33), (3, 33)),
+    ((64, 8192), (8192,)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("shape", "normalized_shape"), GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("affine", AFFINE, ids=["w_b", "w", "none"])
+def test_cuda_kernels_match_f_layer_norm(shape, normalized_shape, affine, dtype):
+    pytest.importorskip("triton")
+    width = torch.Size(normalized_shape).numel()
+    assert uses_triton(torch.empty(1, device="cuda", dtype=dtype), width)
+    for contiguous in (True, False):
+        check_against_reference(shape, normalized_shape, affine, dtype, "cuda", contiguous)
+
+
+@pytest.mark.gpu
+def test_cuda_rows_too_wide_for_one_program_take_the_torch_path():
+    width = 2 * MAX_TRITON_WIDTH
+    assert not uses_triton(torch.empty(1, device="cuda"), width)
+    check_against_reference((8, width), (width,), (True, True), torch.bfloat16, "cuda", True)
+
+
+@pytest.mark.gpu
+def test_cuda_module_bf16_weights_mixed_with_fp32_input():
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    ref = nn.LayerNorm(1024, device="cuda")
+    nn.init.normal_(ref.weight)
+    fused = FusedLayerNorm(1024, device="cuda", dtype=torch.bfloat16)
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randn(257, 1024, device="cuda")
+    expected = F.layer_norm(x, (1024,), fused.weight.float(), fused.bias.float())
+    torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
