@@ -286,3 +286,21 @@ def test_data_deliverables_quick(cache, tmp_path):
     assert records["first_sample"]["n_tokens"] == 200
     assert records["batch_padded"]["tokens"] == records["batch_packed"]["tokens"] == 4 * 256
     assert records["params_8b"]["from_model"] == records["params_8b"]["closed_form"]
+
+
+def test_layer_norm_benchmark_quick_logs_every_shape_and_refuses_bad_flags(tmp_path):
+    script = str(ROOT / "lm_training" / "layer_norm_benchmark.py")
+    run = subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    records = read_records(tmp_path / "layer_norm_benchmark.jsonl")
+    variants = [r["variant"] for r in records]
+    assert variants.count("copy_bandwidth") == 1
+    cases = {(r["config"]["tokens"], r["config"]["hidden"], r["config"]["dtype"])
+             for r in records if r["variant"] == "summary"}  # fmt: skip
+    assert len(cases) >= 2 and variants.count("torch") == variants.count("fused") == len(cases)
+    for argv, flag in ((["--shapes", "12x"], "--shapes"), (["--variants", "foo"], "--variants")):
+        bad = subprocess.run([sys.executable, script, "--quick", *argv, "--out", str(tmp_path)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and flag in lines[0], bad.stderr
