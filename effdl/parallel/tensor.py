@@ -21,7 +21,9 @@ unequal, or too few, chunks, and all-gather needs equal shapes).
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -385,3 +387,121 @@ class ParallelLayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"normalized_features={self.normalized_features}, eps={self.eps}"
+
+
+def _activation_module(activation: Callable | nn.Module) -> nn.Module:
+    """nn.TransformerEncoderLayer keeps relu/gelu as functions; ParallelMLP takes a module."""
+    if isinstance(activation, nn.Module):
+        return activation
+    known = {F.relu: nn.ReLU, F.gelu: nn.GELU}
+    if activation not in known:
+        raise ValueError(f"activation {activation!r} is not F.relu, F.gelu or an nn.Module")
+    return known[activation]()
+
+
+def _own_heads(packed: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's heads of a packed [q; k; v] projection (weight rows or bias): chunk ``r`` of
+    each of q, k and v, concatenated."""
+    return torch.cat([_own_chunk(part, group, dim=0) for part in packed.chunk(3, dim=0)])
+
+
+class ParallelSelfAttention(nn.Module):
+    """Multi-head self-attention with the heads split across ranks: a column-parallel q/k/v
+    projection (this rank's heads, output sharded), attention over the local heads, and a
+    row-parallel output projection. One all-reduce in forward, one in backward. Input and
+    output: the full (batch, seq, embed_dim), replicated. Build it with :meth:`from_attention`.
+    """
+
+    def __init__(
+        self, qkv: ColumnParallelLinear, out_proj: RowParallelLinear, num_heads: int
+    ) -> None:
+        super().__init__()
+        self.qkv, self.out_proj = qkv, out_proj
+        self.local_heads = num_heads // dist.get_world_size(qkv.group)
+        self.head_dim = out_proj.in_features // num_heads
+
+    @classmethod
+    def from_attention(
+        cls, attention: nn.MultiheadAttention, group: Group = None
+    ) -> ParallelSelfAttention:
+        """This rank's heads of ``attention`` (copies; ``attention`` untouched)."""
+        packed = attention.in_proj_weight is not None
+        if (
+            not (attention.batch_first and packed)
+            or attention.dropout
+            or attention.bias_k is not None
+        ):
+            raise ValueError(
+                "only batch-first self-attention (one packed q/k/v projection) without dropout "
+                "or bias_k/bias_v can be split"
+            )
+        embed, heads = attention.embed_dim, attention.num_heads
+        _shard_size(heads, group, "num_heads")
+        w, b = attention.in_proj_weight, attention.in_proj_bias
+        kw = {"group": group, "device": w.device, "dtype": w.dtype}
+        qkv = skip_init(
+            ColumnParallelLinear, embed, 3 * embed, bias=b is not None, gather_output=False, **kw
+        )
+        with torch.no_grad():
+            qkv.weight.copy_(_own_heads(w, group))
+            if b is not None:
+                qkv.bias.copy_(_own_heads(b, group))
+        out_proj = RowParallelLinear.from_linear(attention.out_proj, group, input_is_parallel=True)
+        return cls(qkv, out_proj, heads)
+
+    def forward(self, x: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (
+            t.view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
+            for t in self.qkv(x).chunk(3, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class ParallelTransformerBlock(nn.Module):
+    """A Transformer encoder layer with its attention heads and MLP hidden units split across
+    ranks (:class:`ParallelSelfAttention`, :class:`ParallelMLP`); the LayerNorms act on the
+    replicated residual stream and are copied to every rank. Two all-reduces in forward and two
+    in backward per block. Input and output: the full (batch, seq, d_model), replicated.
+    Build it from ``nn.TransformerEncoderLayer`` with :meth:`from_encoder_layer`.
+    """
+
+    def __init__(
+        self,
+        self_attn: ParallelSelfAttention,
+        mlp: ParallelMLP,
+        norm1: nn.LayerNorm,
+        norm2: nn.LayerNorm,
+        norm_first: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn, self.mlp, self.norm1, self.norm2 = self_attn, mlp, norm1, norm2
+        self.norm_first = norm_first
+
+    @classmethod
+    def from_encoder_layer(
+        cls, layer: nn.TransformerEncoderLayer, group: Group = None
+    ) -> ParallelTransformerBlock:
+        """Shard ``layer`` (batch-first, dropout 0: ranks would draw different masks for the
+        replicated activations). ``layer`` is not modified; the norms are deep copies."""
+        dropouts = (layer.dropout.p, layer.dropout1.p, layer.dropout2.p)
+        if any(dropouts):
+            raise ValueError(f"dropout must be 0 for tensor parallelism, got {dropouts}")
+        mlp = ParallelMLP.from_linears(
+            layer.linear1, _activation_module(layer.activation), layer.linear2, group
+        )
+        return cls(
+            ParallelSelfAttention.from_attention(layer.self_attn, group),
+            mlp,
+            copy.deepcopy(layer.norm1),
+            copy.deepcopy(layer.norm2),
+            layer.norm_first,
+        )
+
+    def forward(self, x: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        if self.norm_first:
+            x = x + self.self_attn(self.norm1(x), is_causal=is_causal)
+            return x + self.mlp(self.norm2(x))
+        x = self.norm1(x + self.self_attn(x, is_causal=is_causal))
+        return self.norm2(x + self.mlp(x))

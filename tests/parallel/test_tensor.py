@@ -20,6 +20,7 @@ from effdl.parallel import (
     ColumnParallelLinear,
     ParallelLayerNorm,
     ParallelMLP,
+    ParallelTransformerBlock,
     RankFailedError,
     RowParallelLinear,
     spawn,
@@ -29,10 +30,24 @@ F64_TOL = {"rtol": 1e-10, "atol": 1e-12}
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 6
 
 
-def reference_model(kind: str, dtype: torch.dtype = torch.float64) -> nn.Sequential:
+BLOCK_KINDS = ["block_pre_causal", "block_post"]  # pre-/post-norm, causal or full attention
+HEADS, SEQ = 4, 5
+
+
+def reference_model(kind: str, dtype: torch.dtype = torch.float64) -> nn.Module:
     """The single-process model of each case, seeded so every rank builds the same weights."""
     torch.manual_seed(0)
-    if kind == "norm":
+    if kind in BLOCK_KINDS:
+        model = nn.TransformerEncoderLayer(
+            IN,
+            HEADS,
+            HIDDEN,
+            dropout=0.0,
+            activation="relu" if kind == "block_pre_causal" else "gelu",
+            batch_first=True,
+            norm_first=kind == "block_pre_causal",
+        )
+    elif kind == "norm":
         layers = [nn.Linear(IN, HIDDEN), nn.LayerNorm(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT)]
         model = nn.Sequential(*layers)
         with torch.no_grad():  # non-trivial affine parameters
@@ -44,8 +59,10 @@ def reference_model(kind: str, dtype: torch.dtype = torch.float64) -> nn.Sequent
     return model.to(dtype)
 
 
-def parallelize(kind: str, model: nn.Sequential) -> nn.Module:
+def parallelize(kind: str, model: nn.Module) -> nn.Module:
     """The tensor-parallel version of ``reference_model(kind)``, sharing its weights."""
+    if kind in BLOCK_KINDS:
+        return ParallelTransformerBlock.from_encoder_layer(model)
     first, act, last = model[0], model[-2], model[-1]
     if kind == "mlp":
         return ParallelMLP.from_linears(first, act, last)
@@ -63,8 +80,27 @@ def parallelize(kind: str, model: nn.Sequential) -> nn.Module:
     )
 
 
-def shard_like(full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """``full``'s slice that a rank holding a ``local``-shaped shard should hold."""
+def case_input(kind: str) -> torch.Tensor:
+    shape = (2, SEQ, IN) if kind in BLOCK_KINDS else (BATCH, IN)
+    return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def run(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forward, telling the reference encoder layer about causality its own way."""
+    if kind != "block_pre_causal":
+        return model(x)
+    if isinstance(model, ParallelTransformerBlock):
+        return model(x, is_causal=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(SEQ, dtype=x.dtype)
+    return model(x, src_mask=mask, is_causal=True)
+
+
+def expected_shard(name: str, full: torch.Tensor, local: torch.Tensor, rank: int, world: int):
+    """``full``'s part that this rank's ``local``-shaped shard should hold: this rank's heads of
+    each of q, k, v for the packed projection, else the ``torch.chunk`` along the dimension
+    whose size differs (the whole tensor for replicated parameters)."""
+    if ".qkv." in name:
+        return torch.cat([part.chunk(world)[rank] for part in full.chunk(3)])
     differing = [d for d in range(full.dim()) if full.shape[d] != local.shape[d]]
     return full.chunk(world, dim=differing[0])[rank] if differing else full
 
@@ -82,9 +118,9 @@ def compare_with_reference(rank: int, world: int, kinds: list[str]) -> list[tupl
     for kind in kinds:
         ref = reference_model(kind)
         par = parallelize(kind, reference_model(kind))
-        x = torch.randn(BATCH, IN, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x = case_input(kind)
         x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out_ref, out_par = ref(x_ref), par(x_par)
+        out_ref, out_par = run(kind, ref, x_ref), run(kind, par, x_par)
         loss_of(out_ref).backward()
         loss_of(out_par).backward()
         pairs += [
@@ -93,7 +129,7 @@ def compare_with_reference(rank: int, world: int, kinds: list[str]) -> list[tupl
         ]
         ref_params = [p for p in ref.parameters()]
         for (name, p), p_ref in zip(par.named_parameters(), ref_params, strict=True):
-            expected = shard_like(p_ref.grad, p.grad, rank, world)
+            expected = expected_shard(name, p_ref.grad, p.grad, rank, world)
             pairs.append((f"{kind} {name}.grad", p.grad.detach(), expected))
     return pairs
 
@@ -103,6 +139,14 @@ def test_outputs_and_gradients_equal_the_single_process_module(world):
     results = spawn(compare_with_reference, world, ["mlp", "gathered", "norm"])
     for rank_pairs in results:
         assert len(rank_pairs) == 3 * 2 + 4 + 4 + 6  # output, input grad, every parameter
+        for what, got, expected in rank_pairs:
+            torch.testing.assert_close(got, expected, **F64_TOL, msg=what)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transformer_block_equals_the_encoder_layer(world):
+    for rank_pairs in spawn(compare_with_reference, world, BLOCK_KINDS):
+        assert len(rank_pairs) == 2 * (2 + 12)  # output, input grad, 12 parameters per block
         for what, got, expected in rank_pairs:
             torch.testing.assert_close(got, expected, **F64_TOL, msg=what)
 
@@ -132,10 +176,10 @@ def test_from_linear_keeps_this_ranks_chunk(world):
         assert torch.equal(row.bias, row_full.bias)  # the full bias, added once after the sum
 
 
-def count_mlp_collectives(rank: int, world: int) -> dict[str, int]:
-    """Collectives one ParallelMLP issues in forward and in backward (dist's functions wrapped)."""
+def count_collectives(rank: int, world: int, kind: str) -> dict[str, dict[str, int]]:
+    """Collectives one forward and one backward of a case issue (dist's functions wrapped)."""
     torch.set_num_threads(1)
-    counts = {"all_reduce": 0, "all_gather": 0, "all_gather_into_tensor": 0, "broadcast": 0}
+    counts = dict.fromkeys(["all_reduce", "all_gather", "all_gather_into_tensor", "broadcast"], 0)
     for name in counts:
         original = getattr(dist, name)
 
@@ -144,24 +188,24 @@ def count_mlp_collectives(rank: int, world: int) -> dict[str, int]:
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)
-    model = parallelize("mlp", reference_model("mlp"))
-    x = torch.randn(BATCH, IN, dtype=torch.float64, requires_grad=True)
-    out = model(x)
+    model = parallelize(kind, reference_model(kind))
+    out = run(kind, model, case_input(kind).requires_grad_())
     forward = dict(counts)
     loss_of(out).backward()
     backward = {name: counts[name] - forward[name] for name in counts}
     return {"forward": forward, "backward": backward}
 
 
-def test_mlp_issues_one_all_reduce_per_direction():
-    for result in spawn(count_mlp_collectives, 2):
-        one_all_reduce = {
-            "all_reduce": 1,
-            "all_gather": 0,
-            "all_gather_into_tensor": 0,
-            "broadcast": 0,
-        }
-        assert result == {"forward": one_all_reduce, "backward": one_all_reduce}
+@pytest.mark.parametrize(("kind", "all_reduces"), [("mlp", 1), ("block_pre_causal", 2)])
+def test_one_all_reduce_per_direction_per_parallel_mlp_or_attention(kind, all_reduces):
+    expected = {
+        "all_reduce": all_reduces,
+        "all_gather": 0,
+        "all_gather_into_tensor": 0,
+        "broadcast": 0,
+    }
+    for result in spawn(count_collectives, 2, kind):
+        assert result == {"forward": expected, "backward": expected}
 
 
 def learning_problem() -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
