@@ -31,10 +31,15 @@ class RankFailedError(RuntimeError):
         super().__init__(f"rank(s) {', '.join(map(str, self.failures))} failed:{details}")
 
 
-def _start_method() -> str:
-    # fork: children need no re-import of torch or of ``fn``'s module (seconds per process);
-    # it is unsafe once the parent has touched CUDA, and missing on some platforms.
-    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+def _start_method(backend: str) -> str:
+    # fork: children need no re-import of torch or of ``fn``'s module (seconds per process).
+    # A forked child cannot use CUDA once the parent has touched the driver (even a device
+    # count does), so NCCL, and any parent that initialised CUDA, get spawn.
+    if (
+        backend == "gloo"
+        and not torch.cuda.is_initialized()
+        and "fork" in mp.get_all_start_methods()
+    ):
         return "fork"
     return "spawn"
 
@@ -101,12 +106,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
 
     Results must be picklable. If any rank raises or dies, the others are given a moment to
     report, then terminated, and :class:`RankFailedError` is raised with every failed rank's
-    traceback. Under the ``spawn`` start method (used when the parent has initialised CUDA)
-    ``fn`` and ``args`` must be picklable and ``fn`` importable by its module name.
+    traceback. Processes are forked for gloo (fast; the children must then not use CUDA) and
+    spawned for other backends or once the parent has initialised CUDA; spawned children
+    unpickle ``fn`` and ``args``, so ``fn`` must be importable by its module name.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    ctx = mp.get_context(_start_method())
+    ctx = mp.get_context(_start_method(backend))
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="effdl-spawn-") as tmp:
         store_path = os.path.join(tmp, "store")

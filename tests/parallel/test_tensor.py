@@ -110,15 +110,19 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     return (out * weights).sum() + out.pow(2).mean()
 
 
-def compare_with_reference(rank: int, world: int, kinds: list[str]) -> list[tuple]:
-    """Per case: (what, parallel tensor, reference tensor) for the output, input grad, and
-    every parameter's grad as this rank holds it."""
+def compare_with_reference(
+    rank: int, world: int, kinds: list[str], device: str = "cpu"
+) -> list[tuple]:
+    """Per case: (what, parallel tensor, reference tensor), on the CPU, for the output, input
+    grad, and every parameter's grad as this rank holds it."""
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     pairs = []
     for kind in kinds:
-        ref = reference_model(kind)
-        par = parallelize(kind, reference_model(kind))
-        x = case_input(kind)
+        ref = reference_model(kind).to(device)
+        par = parallelize(kind, reference_model(kind).to(device))
+        x = case_input(kind).to(device)
         x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
         out_ref, out_par = run(kind, ref, x_ref), run(kind, par, x_par)
         loss_of(out_ref).backward()
@@ -131,7 +135,7 @@ def compare_with_reference(rank: int, world: int, kinds: list[str]) -> list[tupl
         for (name, p), p_ref in zip(par.named_parameters(), ref_params, strict=True):
             expected = expected_shard(name, p_ref.grad, p.grad, rank, world)
             pairs.append((f"{kind} {name}.grad", p.grad.detach(), expected))
-    return pairs
+    return [(what, got.detach().cpu(), expected.detach().cpu()) for what, got, expected in pairs]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -149,6 +153,56 @@ def test_transformer_block_equals_the_encoder_layer(world):
         assert len(rank_pairs) == 2 * (2 + 12)  # output, input grad, 12 parameters per block
         for what, got, expected in rank_pairs:
             torch.testing.assert_close(got, expected, **F64_TOL, msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_nccl_on_two_gpus_equals_the_single_process_module():
+    for rank_pairs in spawn(
+        compare_with_reference, 2, ["mlp", "gathered", "norm", *BLOCK_KINDS], "cuda", backend="nccl"
+    ):
+        assert len(rank_pairs) == 20 + 2 * 14
+        for what, got, expected in rank_pairs:
+            torch.testing.assert_close(got, expected, **F64_TOL, msg=what)
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    """The error message of each misuse, in the order of ``test_misuse_is_refused_in_words``."""
+    attempts = [
+        lambda: ColumnParallelLinear(4, 5),
+        lambda: RowParallelLinear(3, 4),
+        lambda: ParallelLayerNorm.from_layer_norm(nn.LayerNorm((2, 4))),
+        lambda: ParallelMLP(ColumnParallelLinear(4, 8), nn.ReLU(), RowParallelLinear(8, 4)),
+        lambda: ParallelTransformerBlock.from_encoder_layer(
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)
+        ),
+        lambda: ParallelTransformerBlock.from_encoder_layer(
+            nn.TransformerEncoderLayer(6, 3, 12, dropout=0.0, batch_first=True)
+        ),
+        lambda: ParallelTransformerBlock.from_encoder_layer(
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=False)
+        ),
+    ]
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            messages.append("accepted")
+    return messages
+
+
+def test_misuse_is_refused_in_words():
+    messages = spawn(refusals, 2)[0]
+    assert messages[0] == "out_features=5 does not divide evenly across 2 ranks"
+    assert messages[1] == "in_features=3 does not divide evenly across 2 ranks"
+    assert "over the last dimension" in messages[2]
+    assert "gather_output=False" in messages[3]
+    assert messages[4] == "dropout must be 0 for tensor parallelism, got (0.1, 0.1, 0.1)"
+    assert messages[5] == "num_heads=3 does not divide evenly across 2 ranks"
+    assert "batch-first" in messages[6]
 
 
 def shards_of_linears(rank: int, world: int) -> dict[str, torch.Tensor]:
