@@ -80,19 +80,6 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """A sum over ranks that every rank's loss depends on: the gradient is summed too."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
-
-
 class _GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -330,8 +317,8 @@ class ParallelLayerNorm(nn.Module):
     gradients the same way) adds these across ranks, and ``mean = S1 / n``,
     ``var = S2 / n - mean**2`` (biased, as nn.LayerNorm). This one-pass variance loses
     precision when ``|mean|`` is large against the standard deviation; a second all-reduce of
-    centred squares would avoid that at twice the communication. Affine weight and bias are
-    sharded like the features.
+    centred squares would avoid that at twice the communication. Affine weight and bias (as
+    nn.LayerNorm's ``elementwise_affine`` and ``bias``) are sharded like the features.
     """
 
     def __init__(
@@ -339,6 +326,7 @@ class ParallelLayerNorm(nn.Module):
         normalized_features: int,
         eps: float = 1e-5,
         elementwise_affine: bool = True,
+        bias: bool = True,
         group: Group = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -348,7 +336,8 @@ class ParallelLayerNorm(nn.Module):
         local = _shard_size(normalized_features, group, "normalized_features")
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(local, **kw)) if elementwise_affine else None
-        self.bias = nn.Parameter(torch.zeros(local, **kw)) if elementwise_affine else None
+        has_bias = elementwise_affine and bias
+        self.bias = nn.Parameter(torch.zeros(local, **kw)) if has_bias else None
 
     @classmethod
     def from_layer_norm(cls, norm: nn.LayerNorm, group: Group = None) -> ParallelLayerNorm:
@@ -363,6 +352,7 @@ class ParallelLayerNorm(nn.Module):
             norm.normalized_shape[0],
             eps=norm.eps,
             elementwise_affine=norm.weight is not None,
+            bias=norm.bias is not None,
             group=group,
             device=ref.device,
             dtype=ref.dtype,
@@ -375,7 +365,8 @@ class ParallelLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local_sums = torch.stack((x.sum(-1), (x * x).sum(-1)))
-        sums = _AllReduceSum.apply(local_sums, self.group)
+        # Every rank's output depends on every rank's sums: all-reduce forward and backward.
+        sums = reduce_from_parallel(copy_to_parallel(local_sums, self.group), self.group)
         mean = sums[0] / self.normalized_features
         var = sums[1] / self.normalized_features - mean * mean
         y = (x - mean.unsqueeze(-1)) * torch.rsqrt(var.unsqueeze(-1) + self.eps)
