@@ -1,0 +1,153 @@
+"""Start a process group: ``spawn`` runs one function on every rank in local processes (tests,
+CPU experiments with gloo), ``init_from_env`` joins the group that ``torchrun`` describes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_POLL_S = 0.2
+_GRACE_S = 2.0
+
+
+class RankFailedError(RuntimeError):
+    """Ranks started by :func:`spawn` raised or died. ``failures`` maps each failed rank to its
+    traceback text (or how its process ended); the message lists them in rank order, since the
+    rank that failed first is not always the first to report (its peers then fail too)."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        details = "".join(f"\n--- rank {r} ---\n{text}" for r, text in self.failures.items())
+        super().__init__(f"rank(s) {', '.join(map(str, self.failures))} failed:{details}")
+
+
+def _start_method(backend: str) -> str:
+    # fork: children need no re-import of torch or of ``fn``'s module (seconds per process).
+    # A forked child cannot use CUDA once the parent has touched the driver (even a device
+    # count does), so NCCL, and any parent that initialised CUDA, get spawn.
+    if (
+        backend == "gloo"
+        and not torch.cuda.is_initialized()
+        and "fork" in mp.get_all_start_methods()
+    ):
+        return "fork"
+    return "spawn"
+
+
+def _run_rank(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    backend: str,
+    store_path: str,
+    results: Any,
+) -> None:
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        # Plain pickle (bytes), not torch's shared-memory reduction: the result must outlive
+        # this process.
+        outcome = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+    except BaseException:
+        outcome = (rank, False, traceback.format_exc())
+    results.put(outcome)  # before the group goes down and the peers fail because of it
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _stop(processes: list) -> None:
+    """Terminate the ranks still running (they may be blocked in a collective) and reap all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join()
+
+
+def _collect(processes: list, results: Any) -> tuple[dict[int, Any], dict[int, str]]:
+    """Each rank's result or failure. After the first failure the others get ``_GRACE_S`` to
+    report theirs (usually consequences, but the root cause may arrive second)."""
+    done: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = None
+    while len(done) + len(failures) < len(processes):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        try:
+            rank, ok, payload = results.get(timeout=_POLL_S)
+            if ok:
+                done[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+        except queue.Empty:
+            for rank, p in enumerate(processes):
+                if rank not in done and rank not in failures and p.exitcode not in (None, 0):
+                    failures[rank] = f"process exited with code {p.exitcode} before reporting"
+        if failures and deadline is None:
+            deadline = time.monotonic() + _GRACE_S
+    return done, failures
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes that form one process
+    group (``backend``, rendezvous through a FileStore in a temporary directory, so no port is
+    needed), and return each rank's result in rank order.
+
+    Results must be picklable. If any rank raises or dies, the others are given a moment to
+    report, then terminated, and :class:`RankFailedError` is raised with every failed rank's
+    traceback. Processes are forked for gloo (fast; the children must then not use CUDA) and
+    spawned for other backends or once the parent has initialised CUDA; spawned children
+    unpickle ``fn`` and ``args``, so ``fn`` must be importable by its module name.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    ctx = mp.get_context(_start_method(backend))
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="effdl-spawn-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        processes = [
+            ctx.Process(
+                target=_run_rank,
+                args=(fn, rank, world_size, args, backend, store_path, results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in processes:
+            p.start()
+        try:
+            done, failures = _collect(processes, results)
+        except BaseException:
+            _stop(processes)
+            raise
+        if failures:
+            _stop(processes)
+            raise RankFailedError(failures)
+        for p in processes:
+            p.join()
+    return [done[rank] for rank in range(world_size)]
+
+
+def init_from_env(backend: str | None = None) -> torch.device:
+    """Join the process group described by ``torchrun``'s environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK) and return this rank's device: ``cuda:LOCAL_RANK``
+    (made current) with NCCL when CUDA is available, else the CPU with gloo. ``backend``
+    overrides the choice of backend only."""
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"))
+    return device
