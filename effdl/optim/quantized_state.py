@@ -7,7 +7,7 @@ by the absmax. Memory is ``1 + 4 / 2048`` bytes per value instead of 4.
 The code map is bitsandbytes' "dynamic tree" map (:func:`dynamic_code`), not a linear one:
 Adam's moments span many decades inside one block (the second moment is a squared gradient), and
 a linear map would round everything below ``absmax / 255`` to zero, turning ``m / sqrt(v)`` into
-``m / eps``. The dynamic map spends its codes per decade, from ``1e-6`` to ``1`` of the absmax,
+``m / eps``. The dynamic map spends its codes per decade, from ``1e-7`` to ``1`` of the absmax,
 with finer steps in the larger decades. The first moment uses the signed map, the second the
 unsigned one (twice the resolution, since it is never negative).
 
