@@ -16,6 +16,12 @@ every step), parameters without a gradient skipped, ``state_dict`` in torch's la
 ``master`` per parameter. fp16 loss scaling (``scale=``) checks all gradients for inf/NaN before
 any update and skips the whole step (:attr:`found_inf`); the in-backward overlap is then off.
 
+``moments="int8"`` keeps the moments block-wise 8-bit (:mod:`effdl.optim.quantized_state`,
+bitsandbytes' scheme): 2 bytes and a bit per parameter on the host instead of 8, at the cost of
+rounding the moments after every step (the masters stay fp32). ``state_dict`` then holds the
+codes and block absmaxes (``exp_avg_codes``, ``exp_avg_absmax``, ``exp_avg_sq_codes``,
+``exp_avg_sq_absmax``) instead of ``exp_avg``/``exp_avg_sq``; either form loads into either mode.
+
 Limits: no amsgrad, maximize, sparse gradients or gradient clipping (buckets update before the
 global norm is known); one working device; parameters must not be replaced after construction;
 not a ``torch.optim.Optimizer`` (for an lr schedule edit ``param_groups[i]["lr"]``).
@@ -33,10 +39,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from effdl.optim.quantized_state import QuantizedAdamMoments, dequantize, num_blocks
 from effdl.profiling.timeline import Timeline
 
 _GROUP_DEFAULT_KEYS = ("lr", "betas", "eps", "weight_decay")
 GRAD_ACCUMULATION_MODES = ("cpu", "gpu")
+MOMENT_FORMATS = ("fp32", "int8")
 # Parameter offsets inside flat buffers are multiples of this many elements (256 B for fp32), so
 # every working weight is as aligned as a fresh allocation and GEMMs pick their fast kernels.
 ALIGN_ELEMENTS = 64
@@ -51,7 +59,7 @@ class _Bucket:
     offsets: list[int]
     numel: int
     master: Tensor  # fp32, CPU
-    exp_avg: Tensor
+    exp_avg: Tensor  # fp32 moments; empty with int8 moments
     exp_avg_sq: Tensor
     grad: Tensor  # fp32 accumulated gradients, CPU
     work: Tensor  # working weights on the device (params are views of it)
@@ -59,6 +67,7 @@ class _Bucket:
     weight_stage: Tensor | None = None  # pinned, working dtype: H2D source
     grad_stage: Tensor | None = None  # pinned, working dtype: D2H target ("cpu" mode)
     gpu_acc: Tensor | None = None  # fp32 on the device ("gpu" mode)
+    quantized: list[QuantizedAdamMoments] = field(default_factory=list)  # int8 moments
     has_grad: list[bool] = field(default_factory=list)  # accumulated grad present
     on_host: list[bool] = field(default_factory=list)  # ...and already added into .grad
     reported: list[int] = field(default_factory=list)  # indices reported in this backward
@@ -94,6 +103,7 @@ class CPUOffloadAdam:
         working_dtype: dtype of the working weights (bf16 default; fp16 needs ``scale``).
         grad_accumulation: ``"cpu"`` or ``"gpu"`` (see module docstring; ignored on CPU).
         bucket_numel: target parameters per bucket (a larger tensor gets its own bucket).
+        moments: ``"fp32"`` or ``"int8"`` (block-wise 8-bit; see the module docstring).
         num_threads: if given, ``torch.set_num_threads(num_threads)`` (process-wide) for the
             CPU update.
     """
@@ -112,6 +122,7 @@ class CPUOffloadAdam:
         grad_accumulation: str = "gpu",
         bucket_numel: int = 2**25,
         num_threads: int | None = None,
+        moments: str = "fp32",
     ) -> None:
         if grad_accumulation not in GRAD_ACCUMULATION_MODES:
             raise ValueError(
@@ -121,6 +132,9 @@ class CPUOffloadAdam:
             raise ValueError(f"working_dtype must be bf16, fp16 or fp32, got {working_dtype}")
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+        if moments not in MOMENT_FORMATS:
+            raise ValueError(f"moments must be one of {MOMENT_FORMATS}, got {moments!r}")
+        self.moments = moments
         self.adamw = adamw
         self.working_dtype = working_dtype
         self.grad_accumulation = grad_accumulation
@@ -180,14 +194,17 @@ class CPUOffloadAdam:
         master = host(torch.float32)
         for p, off in zip(params, offsets, strict=True):
             master[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        int8 = self.moments == "int8"
+        moments_numel = 0 if int8 else n
         b = _Bucket(
             group=group,
             params=params,
             offsets=offsets,
             numel=n,
             master=master,
-            exp_avg=host(torch.float32),
-            exp_avg_sq=host(torch.float32),
+            exp_avg=torch.zeros(moments_numel, pin_memory=pin),
+            exp_avg_sq=torch.zeros(moments_numel, pin_memory=pin),
+            quantized=[QuantizedAdamMoments(p.numel()) for p in params] if int8 else [],
             grad=host(torch.float32),
             work=torch.empty(n, dtype=self.working_dtype, device=self.device),
             steps=[torch.zeros((), dtype=torch.float32) for _ in params],
@@ -315,24 +332,37 @@ class CPUOffloadAdam:
         start = time.perf_counter()
         g = b.group
         beta1, beta2 = g["betas"]
+        hyper = {
+            "lr": float(g["lr"]),
+            "beta1": float(beta1),
+            "beta2": float(beta2),
+            "weight_decay": float(g["weight_decay"]),
+            "eps": float(g["eps"]),
+        }
         steps = [b.steps[i] for i in idx]
         torch._foreach_add_(steps, 1.0)
-        fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
-        fused(
-            [b.view(b.master, i) for i in idx],
-            [b.view(b.grad, i) for i in idx],
-            [b.view(b.exp_avg, i) for i in idx],
-            [b.view(b.exp_avg_sq, i) for i in idx],
-            [],
-            steps,
-            lr=float(g["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            weight_decay=float(g["weight_decay"]),
-            eps=float(g["eps"]),
-            amsgrad=False,
-            maximize=False,
-        )
+        if b.quantized:
+            for i in idx:
+                b.quantized[i].step(
+                    b.view(b.master, i).view(-1),
+                    b.view(b.grad, i).view(-1),
+                    b.steps[i],
+                    adamw=self.adamw,
+                    **hyper,
+                )
+        else:
+            fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+            fused(
+                [b.view(b.master, i) for i in idx],
+                [b.view(b.grad, i) for i in idx],
+                [b.view(b.exp_avg, i) for i in idx],
+                [b.view(b.exp_avg_sq, i) for i in idx],
+                [],
+                steps,
+                amsgrad=False,
+                maximize=False,
+                **hyper,
+            )
         for i in idx:
             b.has_grad[i] = b.on_host[i] = False
         self._copy_back(b, idx)
@@ -451,7 +481,8 @@ class CPUOffloadAdam:
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout: ``{"state": {idx: {step, exp_avg, exp_avg_sq, master}},
-        "param_groups": [...]}``; tensors are fresh CPU copies with the parameters' shapes."""
+        "param_groups": [...]}``; tensors are fresh CPU copies with the parameters' shapes.
+        With int8 moments the four quantized tensors replace ``exp_avg``/``exp_avg_sq``."""
         for b in self._buckets:
             self._wait_host(b)
         state: dict[int, dict[str, Tensor]] = {}
@@ -459,10 +490,16 @@ class CPUOffloadAdam:
             b, i = self._where[p]
             if float(b.steps[i]) == 0:
                 continue  # never stepped: torch.optim has no state for it either
+            if b.quantized:
+                moments = {k: t.clone() for k, t in b.quantized[i].state_dict().items()}
+            else:
+                moments = {
+                    "exp_avg": b.view(b.exp_avg, i).clone(),
+                    "exp_avg_sq": b.view(b.exp_avg_sq, i).clone(),
+                }
             state[idx] = {
                 "step": b.steps[i].clone(),
-                "exp_avg": b.view(b.exp_avg, i).clone(),
-                "exp_avg_sq": b.view(b.exp_avg_sq, i).clone(),
+                **moments,
                 "master": b.view(b.master, i).clone(),
             }
         groups, start = [], 0
@@ -513,11 +550,13 @@ class CPUOffloadAdam:
             s = saved_state.get(idx)
             if s is None:
                 b.steps[i].zero_()
-                b.view(b.exp_avg, i).zero_()
-                b.view(b.exp_avg_sq, i).zero_()
+                if b.quantized:
+                    b.quantized[i].zero_()
+                else:
+                    b.view(b.exp_avg, i).zero_()
+                    b.view(b.exp_avg_sq, i).zero_()
                 continue
-            b.view(b.exp_avg, i).copy_(s["exp_avg"])
-            b.view(b.exp_avg_sq, i).copy_(s["exp_avg_sq"])
+            _load_moments(b, i, s)
             b.steps[i].fill_(float(s["step"]))
             if "master" in s:
                 b.view(b.master, i).copy_(s["master"])
@@ -527,6 +566,14 @@ class CPUOffloadAdam:
             self._copy_back(b, list(range(len(b.params))))
             if self._cuda and b.h2d_done is not None:
                 torch.cuda.current_stream(self.device).wait_event(b.h2d_done)
+
+    def moment_nbytes(self) -> int:
+        """Host bytes held by the Adam moments (both; alignment padding included for fp32)."""
+        total = 0
+        for b in self._buckets:
+            total += b.exp_avg.nbytes + b.exp_avg_sq.nbytes
+            total += sum(q.nbytes for q in b.quantized)
+        return total
 
     def master_params(self) -> list[Tensor]:
         """Views of the fp32 masters, in ``param_groups`` order (read-only use, please)."""
@@ -587,22 +634,58 @@ def _make_groups(
     return out
 
 
+def _load_moments(b: _Bucket, i: int, s: dict[str, Any]) -> None:
+    """Set parameter ``i``'s moments from a checked state entry, in either stored form."""
+    if b.quantized:
+        if "exp_avg_codes" in s:
+            b.quantized[i].load_state_dict(s)
+        else:
+            b.quantized[i].set(s["exp_avg"], s["exp_avg_sq"])
+        return
+    exp_avg, exp_avg_sq = b.view(b.exp_avg, i), b.view(b.exp_avg_sq, i)
+    if "exp_avg_codes" in s:
+        exp_avg.copy_(dequantize(s["exp_avg_codes"], s["exp_avg_absmax"], exp_avg.shape))
+        exp_avg_sq.copy_(
+            dequantize(s["exp_avg_sq_codes"], s["exp_avg_sq_absmax"], exp_avg.shape, signed=False)
+        )
+    else:
+        exp_avg.copy_(s["exp_avg"])
+        exp_avg_sq.copy_(s["exp_avg_sq"])
+
+
 def _check_param_state(s: dict[str, Any] | None, idx: int, p: Tensor) -> None:
     """ValueError unless ``s`` (one entry of a saved ``state``, or None) fits parameter ``p``."""
     if s is None:
         return
-    for key in ("exp_avg", "exp_avg_sq", "master"):
+    if "exp_avg_codes" in s:
+        n = p.numel()
+        code_shape, absmax_shape = torch.Size([n]), torch.Size([num_blocks(n)])
+        expected = {
+            "exp_avg_codes": (code_shape, torch.uint8),
+            "exp_avg_absmax": (absmax_shape, torch.float32),
+            "exp_avg_sq_codes": (code_shape, torch.uint8),
+            "exp_avg_sq_absmax": (absmax_shape, torch.float32),
+        }
+    else:
+        expected = {"exp_avg": (p.shape, None), "exp_avg_sq": (p.shape, None)}
+    expected["master"] = (p.shape, None)
+    for key, (shape, dtype) in expected.items():
         if key not in s:
             if key == "master":
                 continue
             raise ValueError(f"state_dict['state'][{idx}] lacks {key!r}")
         t = s[key]
-        if not isinstance(t, Tensor) or t.shape != p.shape:
-            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(
-                f"state_dict['state'][{idx}][{key!r}] has shape {shape}, "
+        where = f"state_dict['state'][{idx}][{key!r}]"
+        if not isinstance(t, Tensor) or t.shape != shape:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            want = (
                 f"parameter has {tuple(p.shape)}"
+                if shape == p.shape
+                else f"expected {tuple(shape)}"
             )
+            raise ValueError(f"{where} has shape {got}, {want}")
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"{where} has dtype {t.dtype}, expected {dtype}")
     step = float(s["step"])
     if not (math.isfinite(step) and step >= 1 and step == int(step)):
         raise ValueError(

@@ -1,0 +1,206 @@
+"""Block-wise 8-bit Adam moments, as bitsandbytes' 8-bit optimizers keep them.
+
+A tensor is cut into blocks of :data:`BLOCK_SIZE` values; each block stores one fp32 absmax and
+one uint8 code per value, the index of the nearest entry of a 256-value code map after dividing
+by the absmax. Memory is ``1 + 4 / 2048`` bytes per value instead of 4.
+
+The code map is bitsandbytes' "dynamic tree" map (:func:`dynamic_code`), not a linear one:
+Adam's moments span many decades inside one block (the second moment is a squared gradient), and
+a linear map would round everything below ``absmax / 255`` to zero, turning ``m / sqrt(v)`` into
+``m / eps``. The dynamic map spends its codes per decade, from ``1e-7`` to ``1`` of the absmax,
+with finer steps in the larger decades. The first moment uses the signed map, the second the
+unsigned one (twice the resolution, since it is never negative).
+
+Per block the absmax lets one outlier cost precision only in its own 2048 values. Rounding is
+to the nearest code (no stochastic rounding). The Adam update itself runs in fp32: the moments of
+a chunk of blocks are dequantized, updated with the gradient, used for the step, and
+re-quantized (:meth:`QuantizedAdamMoments.step`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BLOCK_SIZE = 2048
+# Blocks processed together by QuantizedAdamMoments.step: bounds its fp32 scratch to 8 MiB.
+CHUNK_BLOCKS = 512
+
+
+def dynamic_code(signed: bool) -> Tensor:
+    """The 256 sorted fp32 values of bitsandbytes' dynamic map (``create_dynamic_map``).
+
+    Decade ``e`` (0..6) covers ``[0.1, 1] * 10**(e - 6)`` with ``2**e`` values per sign (signed)
+    or ``2**(e + 1)`` values (unsigned), at the midpoints of an even split; then 0 and 1. The
+    signed map has no -1: a block's most negative value, if it sets the absmax, is stored as
+    about -0.993 of it.
+    """
+    values = [0.0, 1.0]
+    for e in range(7):
+        n = 2**e if signed else 2 ** (e + 1)
+        edges = torch.linspace(0.1, 1.0, n + 1, dtype=torch.float64)
+        mids = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (e - 6)).tolist()
+        values += mids + ([-v for v in mids] if signed else [])
+    code = torch.tensor(sorted(values), dtype=torch.float32)
+    assert code.numel() == 256
+    return code
+
+
+_CODES = {signed: dynamic_code(signed) for signed in (True, False)}
+# Nearest-code rounding is a binary search among the midpoints between neighbouring codes.
+_BOUNDARIES = {signed: (c[1:] + c[:-1]) / 2 for signed, c in _CODES.items()}
+
+
+def num_blocks(numel: int) -> int:
+    """Blocks of :data:`BLOCK_SIZE` needed for ``numel`` values (the last one may be short)."""
+    return -(-numel // BLOCK_SIZE)
+
+
+def quantized_nbytes(numel: int) -> int:
+    """Bytes of one quantized tensor of ``numel`` values: a code each, an fp32 absmax a block."""
+    return numel + 4 * num_blocks(numel)
+
+
+def quantize(x: Tensor, *, signed: bool = True) -> tuple[Tensor, Tensor]:
+    """Block-wise 8-bit quantization of ``x`` (any shape, floating point, flattened).
+
+    Returns ``(codes, absmax)``: ``codes`` uint8 of shape ``(x.numel(),)``, ``absmax`` fp32 of
+    shape ``(num_blocks(x.numel()),)``. With ``signed=False`` the input must be non-negative
+    (negative values round to 0). An all-zero block has absmax 0 and dequantizes to zeros.
+    """
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    blocks = F.pad(flat, (0, num_blocks(n) * BLOCK_SIZE - n)).view(-1, BLOCK_SIZE)
+    absmax = blocks.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    normalized = blocks / scale[:, None]
+    codes = torch.bucketize(normalized, _BOUNDARIES[signed]).to(torch.uint8)
+    return codes.view(-1)[:n], absmax
+
+
+def dequantize(
+    codes: Tensor, absmax: Tensor, shape: torch.Size | tuple[int, ...], *, signed: bool = True
+) -> Tensor:
+    """The fp32 tensor of ``shape`` that ``quantize(..., signed=signed)`` encoded."""
+    n = codes.numel()
+    values = _CODES[signed][codes.long()]
+    values = F.pad(values, (0, absmax.numel() * BLOCK_SIZE - n)).view(-1, BLOCK_SIZE)
+    return (values * absmax[:, None]).view(-1)[:n].view(shape)
+
+
+class QuantizedAdamMoments:
+    """One parameter's Adam moments (``exp_avg``, ``exp_avg_sq``) in block-wise 8-bit form.
+
+    Holds ``numel`` values per moment: uint8 codes plus an fp32 absmax per block of
+    :data:`BLOCK_SIZE`, so :attr:`nbytes` is ``2 * (numel + 4 * ceil(numel / 2048))``. Starts at
+    zero, as torch's Adam state does.
+    """
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.exp_avg_codes = torch.zeros(numel, dtype=torch.uint8)
+        self.exp_avg_absmax = torch.zeros(num_blocks(numel))
+        self.exp_avg_sq_codes = torch.zeros(numel, dtype=torch.uint8)
+        self.exp_avg_sq_absmax = torch.zeros(num_blocks(numel))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+    def exp_avg(self) -> Tensor:
+        """The first moment, dequantized (fp32, flat)."""
+        return dequantize(self.exp_avg_codes, self.exp_avg_absmax, (self.numel,))
+
+    def exp_avg_sq(self) -> Tensor:
+        """The second moment, dequantized (fp32, flat)."""
+        return dequantize(
+            self.exp_avg_sq_codes, self.exp_avg_sq_absmax, (self.numel,), signed=False
+        )
+
+    def set(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        """Quantize fp32 moments (any shape with ``numel`` values) into this state."""
+        self._store(0, exp_avg.reshape(-1), exp_avg_sq.reshape(-1))
+
+    def zero_(self) -> None:
+        """Both moments back to zero (a zero absmax dequantizes its block to zeros)."""
+        self.exp_avg_absmax.zero_()
+        self.exp_avg_sq_absmax.zero_()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The codes and absmaxes themselves (a lossless copy; see :meth:`load_state_dict`)."""
+        return {
+            "exp_avg_codes": self.exp_avg_codes,
+            "exp_avg_absmax": self.exp_avg_absmax,
+            "exp_avg_sq_codes": self.exp_avg_sq_codes,
+            "exp_avg_sq_absmax": self.exp_avg_sq_absmax,
+        }
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Copy codes and absmaxes saved by :meth:`state_dict` (shapes must match)."""
+        for key, dst in self.state_dict().items():
+            dst.copy_(state[key])
+
+    @torch.no_grad()
+    def step(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        step: Tensor,
+        *,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        adamw: bool,
+    ) -> None:
+        """One Adam (``adamw=False``) or AdamW step of ``param`` in place, updating the moments.
+
+        ``param`` and ``grad`` are flat contiguous fp32 CPU tensors of ``numel`` values; ``step``
+        is the fp32 scalar step count, already incremented for this step. Chunk by chunk of
+        :data:`CHUNK_BLOCKS` blocks: dequantize both moments, run torch's fused CPU Adam kernel
+        on them in fp32, re-quantize. Given the dequantized moments the parameter update is
+        exactly torch's; the only error is the moments' rounding.
+        """
+        fused = torch._fused_adamw_ if adamw else torch._fused_adam_
+        chunk = CHUNK_BLOCKS * BLOCK_SIZE
+        for start in range(0, self.numel, chunk):
+            end = min(start + chunk, self.numel)
+            blocks = slice(start // BLOCK_SIZE, num_blocks(end))
+            m = dequantize(
+                self.exp_avg_codes[start:end], self.exp_avg_absmax[blocks], (end - start,)
+            )
+            v = dequantize(
+                self.exp_avg_sq_codes[start:end],
+                self.exp_avg_sq_absmax[blocks],
+                (end - start,),
+                signed=False,
+            )
+            fused(
+                [param[start:end]],
+                [grad[start:end]],
+                [m],
+                [v],
+                [],
+                [step],
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+            )
+            self._store(start, m, v)
+
+    def _store(self, start: int, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        """Quantize fp32 moments for values ``start:start+len`` (``start`` block-aligned)."""
+        end = start + exp_avg.numel()
+        blocks = slice(start // BLOCK_SIZE, num_blocks(end))
+        codes, absmax = quantize(exp_avg, signed=True)
+        self.exp_avg_codes[start:end].copy_(codes)
+        self.exp_avg_absmax[blocks].copy_(absmax)
+        codes, absmax = quantize(exp_avg_sq, signed=False)
+        self.exp_avg_sq_codes[start:end].copy_(codes)
+        self.exp_avg_sq_absmax[blocks].copy_(absmax)
