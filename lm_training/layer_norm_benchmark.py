@@ -234,11 +234,7 @@ def benchmark_shape(
         "hidden": shape.hidden,
         "dtype": dtype_name,
         "eps": cfg.eps,
-        "warmup": cfg.warmup,
-        "warmup_time_s": cfg.warmup_time,
-        "reps": cfg.reps,
-        "rounds": cfg.rounds,
-        "min_time_s": cfg.min_time,
+        **cfg.harness().record(),
         "device": str(device),
         "quick": quick,
     }

@@ -445,12 +445,8 @@ def benchmark_shape(
         "dtype": dtype_name,
         "residual": cfg.residual,
         "tf32": cfg.tf32,
-        "warmup": cfg.warmup,
-        "warmup_time_s": cfg.warmup_time,
+        **cfg.harness().record(),
         "settle_s": settle_seconds(cfg, device),
-        "reps": cfg.reps,
-        "min_time_s": cfg.min_time,
-        "rounds": cfg.rounds,
         "device": str(device),
         "quick": quick,
     }

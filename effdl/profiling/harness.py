@@ -105,6 +105,16 @@ class HarnessConfig:
         if min(self.warmup_steps, self.warmup_time, self.min_time) < 0:
             raise ValueError(f"warmup_steps, warmup_time, min_time must be >= 0: {self}")
 
+    def record(self) -> dict:
+        """The settings a benchmark's log records carry, under the scripts' flag names."""
+        return {
+            "warmup": self.warmup_steps,
+            "warmup_time_s": self.warmup_time,
+            "reps": self.min_steps,
+            "rounds": self.rounds,
+            "min_time_s": self.min_time,
+        }
+
     def timed_steps(self, synced_step_s: float) -> int:
         """How many steps a variant whose synchronized step takes ``synced_step_s`` is timed for."""
         if self.min_time <= 0:
