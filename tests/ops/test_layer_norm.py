@@ -8,11 +8,6 @@ in fp32, bf16 and fp16 at LM-like and odd widths.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,8 +20,8 @@ from effdl.ops.layer_norm import (
     swap_layer_norms,
     uses_triton,
 )
+from tests.triton_interpreter import assert_kernels_ok_in_interpreter
 
-REPO = Path(__file__).resolve().parents[2]
 # Relative to the reference's largest magnitude (at least 1); the reference runs in float64.
 REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 # (x shape, normalized_shape)
@@ -229,17 +224,7 @@ print("kernels ok")
 
 
 def test_triton_kernels_in_interpreter_match_f_layer_norm():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED_KERNEL_CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "kernels ok" in proc.stdout
+    assert_kernels_ok_in_interpreter(_INTERPRETED_KERNEL_CHECK)
 
 
 # --------------------------------------------------------------------------- CUDA

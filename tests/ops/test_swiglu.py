@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -23,12 +18,12 @@ from effdl.ops.swiglu import (
     MemoryOptimizedSwigluMLPFunction,
     elementwise_ops,
 )
+from tests.triton_interpreter import assert_kernels_ok_in_interpreter
 
 LEVELS = list(CheckpointLevel)
 HIDDEN, INTER = 16, 40
 # Largest error allowed, relative to the largest magnitude of the reference tensor.
 REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-REPO = Path(__file__).resolve().parents[2]
 
 
 def apply(x, W, V, U, level):
@@ -561,17 +556,7 @@ print("kernels ok")
 
 def test_triton_kernels_in_interpreter_match_float64_math():
     """The Triton kernels' arithmetic and in-place aliasing, run by Triton's CPU interpreter."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED_KERNEL_CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "kernels ok" in proc.stdout
+    assert_kernels_ok_in_interpreter(_INTERPRETED_KERNEL_CHECK)
 
 
 # --------------------------------------------------------------------------- CUDA
