@@ -213,7 +213,9 @@ def layer_comparison(prof, layers: list[dict]) -> list[dict]:
     the kernels in the module's range (host time on the CPU)."""
     device = {}
     for e in prof.key_averages():
-        if e.key.startswith(MODULE_PREFIX) and e.count:
+        # the CPU row of a range: its device time is the kernels launched inside it (the GPU
+        # annotation row of the same name measures the range's span on the GPU timeline)
+        if e.key.startswith(MODULE_PREFIX) and e.count and e.device_type == DeviceType.CPU:
             path = e.key[len(MODULE_PREFIX) :].rsplit(": ", 1)[0]
             total = getattr(e, "device_time_total", 0) or e.cpu_time_total
             device[path] = total / e.count / 1e3
