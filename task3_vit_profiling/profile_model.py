@@ -15,10 +15,13 @@ consecutive batches of one loader, with the same wait/warmup/active schedule. Wr
 
 The same log also gets, per run: ``range`` records (host time of each named range per active
 iteration, and the device time of the kernels launched inside it: data loading against GPU work,
-from the trace), ``layer_compare`` records (each module's forward: Profile's CUDA-event time per
-call against the device time torch.profiler attributes to its range), and one ``overhead`` record
-(median step time on one resident batch with every module hooked and recorded by Profile against
-the bare step, in interleaved rounds, so the data loader plays no part).
+from the trace); on one resident batch of ``--compare-batch-size`` images (default: the
+pipeline's batch; the fixed ViT at batch 256 is bound by the host's kernel launches, so its
+per-layer GPU times mean little: a larger batch keeps the GPU busy), ``layer_compare`` records
+(each module's forward: Profile's CUDA-event time per call against the device time of the kernels
+torch.profiler finds in its range, same schedule) and ``overhead`` records (median step time with
+Profile recording every step against the bare step, in interleaved rounds, at the pipeline's
+batch and the comparison batch, hooking every module and hooking modules to ``--shallow-depth``).
 
     python task3_vit_profiling/profile_model.py --quick --pipeline fixed            # CPU
     python task3_vit_profiling/profile_model.py --device cuda --pipeline as_given --out runs/vit/profile
@@ -32,6 +35,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
 import vit_pipeline as vp
 from torch import nn
 from torch.autograd import DeviceType
@@ -60,6 +64,19 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
         help="interleaved bare/profiled rounds of the overhead measurement",
     )
     p.add_argument("--overhead-steps", type=int, default=10, help="timed steps per round")  # fmt: skip
+    p.add_argument(
+        "--compare-batch-size",
+        type=int,
+        default=None,
+        help="images in the resident batch of the layer comparison (default: --batch-size)",
+    )
+    p.add_argument(
+        "--shallow-depth",
+        type=int,
+        default=4,
+        help="module depth of the shallow profile in the overhead records (4: each block's "
+        "attention and feed-forward)",
+    )
 
 
 def endless(loader) -> Iterator:
@@ -230,11 +247,46 @@ def layer_comparison(prof, layers: list[dict]) -> list[dict]:
     return rows
 
 
-def profile_overhead(trainer: vp.Trainer, batch, rounds: int, steps: int) -> dict:
+def resident_batch(trainer: vp.Trainer, batches: Iterator, images: int):
+    """``images`` training images and labels on the device, prepared as the pipeline prepares
+    them, from as many loader batches as it takes (each moved on its own: device-side
+    augmentation of one huge batch would need several times its memory)."""
+    xs, ys, n = [], [], 0
+    while n < images:
+        x, y = trainer.to_device(next(batches))
+        xs.append(x[: images - n])
+        ys.append(y[: images - n])
+        n += len(xs[-1])
+    return torch.cat(xs), torch.cat(ys)
+
+
+def resident_steps(trainer: vp.Trainer, x, y, n: int, step: Callable[[], None]) -> None:
+    trainer.model.train()
+    for _ in range(n):
+        trainer.train_step(x, y)
+        step()
+
+
+def compare_layers(trainer: vp.Trainer, x, y, args) -> list[dict]:
+    """torch.profiler (module ranges) and Profile on the same resident batch and schedule; each
+    module's forward time per call from both."""
+    n = args.wait + args.warmup + args.active
+    activities = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sched = schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1)
+    with module_ranges(trainer.model), profile(activities=activities, schedule=sched) as ref:
+        resident_steps(trainer, x, y, n, ref.step)
+    layer_sched = layer_profiler.Schedule(wait=args.wait, warmup=args.warmup, active=args.active)
+    with layer_profiler.Profile(trainer.model, schedule=layer_sched) as prof:
+        resident_steps(trainer, x, y, n, prof.step)
+    return layer_comparison(ref, prof.records())
+
+
+def profile_overhead(trainer: vp.Trainer, x, y, rounds: int, steps: int, depth: int | None) -> dict:
     """Median training-step time on one batch already on the device, bare and with Profile
-    recording every step of every module, in ``rounds`` interleaved rounds (device time: CUDA
-    events; host clock on the CPU)."""
-    x, y = trainer.to_device(batch)
+    (hooking modules to ``depth``, None: all) recording every step, in ``rounds`` interleaved
+    rounds (device time: CUDA events; host clock on the CPU)."""
     trainer.model.train()
 
     def timed(prof: layer_profiler.Profile | None) -> list[float]:
@@ -250,11 +302,12 @@ def profile_overhead(trainer: vp.Trainer, batch, rounds: int, steps: int) -> dic
     bare, hooked = [], []
     for _ in range(rounds):
         bare += timed(None)
-        with layer_profiler.Profile(trainer.model, name="overhead") as prof:
+        with layer_profiler.Profile(trainer.model, name="overhead", max_depth=depth) as prof:
             hooked += timed(prof)
     b, h = statistics.median(bare), statistics.median(hooked)
     return {"bare_step_ms_median": b * 1e3, "profiled_step_ms_median": h * 1e3,
-            "overhead": h / b - 1, "steps": len(bare), "rounds": rounds}  # fmt: skip
+            "overhead": h / b - 1, "steps": len(bare), "rounds": rounds,
+            "modules_hooked": len(prof.records())}  # fmt: skip
 
 
 def main() -> None:
@@ -262,6 +315,9 @@ def main() -> None:
         __doc__.splitlines()[0], default_out="runs/vit/profile", extra=add_schedule_args
     )
     require_positive(args, "active", "log_ops", "overhead_rounds", "overhead_steps")
+    require_positive(args, "shallow_depth", minimum=0)
+    if args.compare_batch_size is not None:
+        require_positive(args, "compare_batch_size")
     require_positive(args, "wait", "warmup", minimum=0)
     run = start_run(args, task="task3_vit", logs=LOG)
     cfg = vp.for_device(cfg, run.device)
@@ -281,19 +337,27 @@ def main() -> None:
     summary = str(layers.summary())
     (out / f"{name}_layers.txt").write_text(summary)
     print(f"\nLayer profile ({name}, {args.active} active iterations on {run.where}):\n{summary}")
-    compared = layer_comparison(prof, layers.records())
-    for row in compared:
-        run.log.log(name, {**config, "kind": "layer_compare"}, row)
-    overhead = profile_overhead(trainer, next(batches), args.overhead_rounds, args.overhead_steps)
-    run.log.log(name, {**config, "kind": "overhead"}, overhead)
+    compare_batch = args.compare_batch_size or cfg.batch_size
+    measured = []
+    for batch_size in sorted({cfg.batch_size, compare_batch}):
+        x, y = resident_batch(trainer, batches, batch_size)
+        at = {**config, "resident_batch": batch_size}
+        if batch_size == compare_batch:
+            compared = compare_layers(trainer, x, y, args)
+            for row in compared:
+                run.log.log(name, {**at, "kind": "layer_compare"}, row)
+        for depth in (None, args.shallow_depth):
+            overhead = profile_overhead(
+                trainer, x, y, args.overhead_rounds, args.overhead_steps, depth
+            )
+            run.log.log(name, {**at, "kind": "overhead", "max_depth": depth}, overhead)
+            measured.append({"batch": batch_size, "max_depth": depth, **overhead})
+        del x, y
     print_table(
         sorted(compared, key=lambda r: -r["torch_fwd_ms"])[:15],
-        title="Forward per call: Profile vs torch.profiler (ms), slowest 15",
+        title=f"Forward per call at batch {compare_batch}: Profile vs torch.profiler (ms), slowest 15",
     )
-    print(
-        f"Profile overhead on a resident batch: {overhead['overhead']:+.1%} "
-        f"({overhead['bare_step_ms_median']:.2f} -> {overhead['profiled_step_ms_median']:.2f} ms)"
-    )
+    print_table(measured, title="Profile overhead on a resident batch")
     print(f"\nwritten to {out}: {LOG}, {name}_ops.txt, {name}_torch_trace.json, "
           f"{name}_layers.txt, {name}_layers_trace.json")  # fmt: skip
 

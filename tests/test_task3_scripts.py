@@ -225,7 +225,8 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
     argv = [sys.executable, str(TASK3 / "profile_model.py"), "--quick", "--pipeline", "fixed",
             "--max-images", "40", "--data-cache", str(data_cache), "--out", str(tmp_path),
             "--wait", "0", "--warmup", "0", "--active", "1", "--overhead-rounds", "1",
-            "--overhead-steps", "1"]  # fmt: skip
+            "--overhead-steps", "1", "--batch-size", "4", "--compare-batch-size", "6",
+            "--shallow-depth", "2"]  # fmt: skip
     res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     records = read_records(tmp_path / "vit_profile_ops.jsonl")
@@ -237,9 +238,21 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
     assert set(ranges) == {"step", "data_wait", "to_device", "train_step", "batch_stats"}
     parts = sum(ranges[n]["cpu_ms_per_iter"] for n in ranges if n != "step")
     assert parts <= ranges["step"]["cpu_ms_per_iter"] * 1.01  # the ranges nest in the iteration
-    compared = [r["metrics"] for r in records if r["config"]["kind"] == "layer_compare"]
-    assert {"transformer", "mlp_head"} <= {r["path"] for r in compared}
-    (overhead,) = [r["metrics"] for r in records if r["config"]["kind"] == "overhead"]
-    assert overhead["steps"] == 1 and overhead["bare_step_ms_median"] > 0
+    compared = [r for r in records if r["config"]["kind"] == "layer_compare"]
+    assert {"transformer", "mlp_head"} <= {r["metrics"]["path"] for r in compared}
+    assert {r["config"]["resident_batch"] for r in compared} == {6}  # two loader batches
+    overheads = [r for r in records if r["config"]["kind"] == "overhead"]
+    # each resident batch, every module and the shallow profile
+    assert {(r["config"]["resident_batch"], r["config"]["max_depth"]) for r in overheads} == {
+        (4, None),
+        (4, 2),
+        (6, None),
+        (6, 2),
+    }
+    hooked = {r["config"]["max_depth"]: r["metrics"]["modules_hooked"] for r in overheads}
+    assert 0 < hooked[2] < hooked[None]
+    assert all(
+        r["metrics"]["steps"] == 1 and r["metrics"]["bare_step_ms_median"] > 0 for r in overheads
+    )
     for name in ("fixed_ops.txt", "fixed_torch_trace.json", "fixed_layers_trace.json"):
         assert (tmp_path / name).stat().st_size > 0

@@ -153,12 +153,18 @@ class _CudaClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._free: list[torch.cuda.Event] = []
+        # Event.record() with no stream takes the current device's current stream (the autograd
+        # engine's, inside backward) and skips a stream lookup per stamp; a model on another
+        # device than the current one names its device's stream each time.
+        self._on_current = device.index is None or device.index == torch.cuda.current_device()
         self._origin = self.mark()
 
     def mark(self) -> torch.cuda.Event:
         ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        # The current stream of the calling thread: the autograd engine's, inside backward.
-        ev.record(torch.cuda.current_stream(self.device))
+        if self._on_current:
+            ev.record()
+        else:
+            ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def release(self, marks: list[torch.cuda.Event]) -> None:
@@ -211,7 +217,11 @@ class Profile:
     time between consecutive :meth:`step` calls (the first step starts on entry), on the same
     clock as the spans. ``device`` picks the clock (default: the device of the model's first
     parameter or buffer; CUDA events there, the host clock on the CPU). The module hooks are
-    on only during the schedule's WARMUP and RECORD steps.
+    on only during the schedule's WARMUP and RECORD steps. ``max_depth`` hooks only the modules
+    at most that many levels below the model (0: the model alone; 2 in a model with a
+    ``blocks`` ModuleList: each block); None hooks every module. Each hooked module costs host
+    time per call, so a model whose step is bound by the host (many small kernels) runs slower
+    by that much while recorded: a shallow profile of its blocks keeps the cost small.
 
     Reading results (:meth:`spans`, :meth:`records`, :meth:`summary`, :meth:`to_perfetto`)
     synchronizes the device once. A profile records one ``with`` block.
@@ -224,12 +234,19 @@ class Profile:
         schedule: Schedule | None = None,
         *,
         device: str | torch.device | None = None,
+        max_depth: int | None = None,
     ) -> None:
+        if max_depth is not None and max_depth < 0:
+            raise ValueError(f"max_depth must be >= 0 or None, got {max_depth}")
         self.model = model
         self.name = name
         self.schedule = schedule
         self._device = torch.device(device) if device is not None else None
-        self._modules = [(path or name, m) for path, m in model.named_modules()]
+        self._modules = [
+            (path or name, m)
+            for path, m in model.named_modules()
+            if max_depth is None or (path.count(".") + 1 if path else 0) <= max_depth
+        ]
         self._labels = [_label(path, m) for path, m in self._modules]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._entered = False

@@ -287,6 +287,31 @@ def test_in_place_residuals_and_tuple_outputs_nest_and_keep_results() -> None:
         assert bwd[child].end_ns <= bwd["blocks.0"].end_ns
 
 
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_max_depth_hooks_only_modules_that_deep(net: Net, x: torch.Tensor, depth: int) -> None:
+    """The same spans as a full profile's for the modules kept, and none for deeper ones."""
+    expected = {
+        p or "model" for p, _ in net.named_modules() if (p.count(".") + 1 if p else 0) <= depth
+    }
+    with Profile(net, max_depth=depth) as prof:
+        train_steps(net, prof, 2, x)
+    rows = {r["path"]: r for r in prof.records()}
+    assert set(rows) == expected
+    with Profile(net) as full:
+        train_steps(net, full, 2, x)
+    full_rows = {r["path"]: r for r in full.records()}
+    for path, row in rows.items():
+        assert (row["calls"], row["bwd_calls"]) == (
+            full_rows[path]["calls"],
+            full_rows[path]["bwd_calls"],
+        )
+
+
+def test_max_depth_must_not_be_negative(net: Net) -> None:
+    with pytest.raises(ValueError, match="max_depth"):
+        Profile(net, max_depth=-1)
+
+
 def test_hooks_are_on_only_in_warmup_and_record_steps(net: Net, x: torch.Tensor) -> None:
     sched = Schedule(wait=1, warmup=1, active=1, repeat=1)
     with Profile(net, schedule=sched) as prof:
@@ -388,8 +413,8 @@ class FakeCuda:
         assert enable_timing
 
         class Event:
-            def record(self, stream: object) -> None:
-                assert stream == "current stream"
+            def record(self, stream: object = None) -> None:
+                assert stream in (None, "current stream")  # None: the current stream
                 cuda.records += 1
                 self.ns = time.perf_counter_ns()
 
