@@ -327,7 +327,10 @@ class Profile:
             self._spans += self._pending
             self._steps.append((self._step, self._step_start, now))
         elif self._phase is Phase.WARMUP:
-            self._clock.release([m for *_, a, b in self._pending for m in (a, b)])
+            # Spans share stamps (a backward start or end closes several calls at once): each
+            # event goes back to the pool once, or two later stamps would be one event.
+            marks = {id(m): m for *_, a, b in self._pending for m in (a, b)}
+            self._clock.release(list(marks.values()))
         self._pending.clear()
         for calls in self._calls:
             calls.clear()

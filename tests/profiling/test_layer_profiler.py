@@ -9,6 +9,7 @@ import itertools
 import json
 import statistics
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -426,6 +427,29 @@ class FakeCuda:
 
     def synchronize(self, device: torch.device) -> None:
         self.syncs += 1
+
+
+def test_cuda_events_of_warmup_steps_are_reused_once_each(
+    net: Net, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stamps shared by several spans go back to the pool once: an event handed out twice
+    would time two moments with one (the first overwritten, spans of negative length)."""
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "current stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    with Profile(net, device="cuda", schedule=Schedule(wait=0, warmup=2, active=2)) as prof:
+        train_steps(net, prof, 4, x)
+        pool = prof._clock._free
+        assert len({id(e) for e in pool}) == len(pool)
+    reference = Profile(net)
+    with reference:
+        train_steps(net, reference, 2, x)
+    spans = prof.spans()
+    assert all(s.dur_ns >= 0 for s in spans)
+    assert Counter((s.path, s.kind) for s in spans) == Counter(
+        (s.path, s.kind) for s in reference.spans()
+    )
 
 
 def test_cuda_stamps_sync_once_when_read_never_in_hooks(
