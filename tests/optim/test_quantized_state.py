@@ -83,7 +83,7 @@ def test_zero_blocks_and_shapes_round_trip() -> None:
 
 @pytest.mark.parametrize("numel", [1, 2048, 2049, 10_000])
 def test_memory_is_one_byte_per_value_plus_one_absmax_per_block(numel: int) -> None:
-    state = QuantizedAdamMoments(numel)
+    state = QuantizedAdamMoments.zeros(numel)
     expected = 2 * (numel + 4 * math.ceil(numel / 2048))
     assert state.nbytes == expected == 2 * qs.quantized_nbytes(numel)
     held = [state.exp_avg_codes, state.exp_avg_absmax, state.exp_avg_sq_codes]
@@ -105,7 +105,7 @@ def test_step_is_fused_adam_on_the_dequantized_moments(
     monkeypatch.setattr(qs, "CHUNK_BLOCKS", 2)  # several chunks, the last one short
     n = 5 * BLOCK_SIZE + 77
     g = torch.Generator().manual_seed(0)
-    state = QuantizedAdamMoments(n)
+    state = QuantizedAdamMoments.zeros(n)
     state.set(torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4)
     param, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
     step = torch.tensor(3.0)
@@ -124,9 +124,9 @@ def test_step_is_fused_adam_on_the_dequantized_moments(
 
 def test_state_dict_round_trip_is_lossless() -> None:
     n = 3000
-    a = QuantizedAdamMoments(n)
+    a = QuantizedAdamMoments.zeros(n)
     a.set(heavy_tailed(n, 1, signed=True), heavy_tailed(n, 2, signed=False))
-    b = QuantizedAdamMoments(n)
+    b = QuantizedAdamMoments.zeros(n)
     b.load_state_dict({k: t.clone() for k, t in a.state_dict().items()})
     assert torch.equal(b.exp_avg(), a.exp_avg()) and torch.equal(b.exp_avg_sq(), a.exp_avg_sq())
     b.zero_()
