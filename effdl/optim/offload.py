@@ -182,9 +182,8 @@ class CPUOffloadAdam:
             self._in_flight: deque[Any] = deque()  # download events of device updates
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        if self._cuda:
-            self._d2h_stream = torch.cuda.Stream(self.device)
-            self._h2d_stream = torch.cuda.Stream(self.device)
+        self._d2h_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._h2d_stream = torch.cuda.Stream(self.device) if self._cuda else None
         # One worker: bucket jobs run in submission order, each parallel inside torch's kernels.
         self._pool = ThreadPoolExecutor(
             max_workers=1,
