@@ -137,9 +137,9 @@ def test_state_dict_round_trip_is_lossless() -> None:
 
 def test_moment_buffers_hold_per_tensor_moments_in_four_flat_buffers() -> None:
     """Tensors of 3000, 10 and 2048 values at offsets 0, 3008, 3072 of 5120-value buffers:
-        codes at those offsets, absmaxes in runs of 2, 1 and 1 blocks. A copy made by ``to`` in
-        the same layout shares memory on the same device; ``copy_`` into fresh buffers of that layout
-    reproduces every moment exactly."""
+    codes at those offsets, absmaxes in runs of 2, 1 and 1 blocks. ``to`` the buffers' own
+    device shares their memory; ``copy_`` into fresh buffers of that layout reproduces every
+    moment exactly."""
     numels, offsets = [3000, 10, 2048], [0, 3008, 3072]
     buffers = QuantizedMomentBuffers(numels, offsets, 5120)
     assert buffers.nbytes == 2 * (5120 + 4 * 4)
