@@ -22,6 +22,18 @@ rounding the moments after every step (the masters stay fp32). ``state_dict`` th
 codes and block absmaxes (``exp_avg_codes``, ``exp_avg_absmax``, ``exp_avg_sq_codes``,
 ``exp_avg_sq_absmax``) instead of ``exp_avg``/``exp_avg_sq``; either form loads into either mode.
 
+With int8 moments, ``update_on="device"`` runs the update on the working device instead of the
+host, because quantizing on the CPU costs tens of ns per value: per bucket, the fp32 masters and
+the int8 moments go up (non-blocking, from the pinned host buffers themselves: no staging), the
+vectorized 8-bit Adam step runs there on a side stream (the same code as on the host, so on a
+CPU device the results are the host path's bit for bit), the new masters are cast into the
+working weights there, and masters and moments come back. The gradients stay on the device with
+``grad_accumulation="gpu"`` (then no host gradient buffer exists) or go up from the host with
+``"cpu"``. Extra device memory: at most :data:`DEVICE_BUCKETS_IN_FLIGHT` buckets of scratch,
+each ``bucket_numel * (6 B, + 4 B with "cpu" accumulation) + 2 * bucket_numel / 2048 * 4 B``,
+plus the step's temporaries, about 40 B per value of :data:`DEVICE_CHUNK_BLOCKS` * 2048 values
+(~340 MB); the host keeps only fp32 masters and int8 moments (no working-weight staging copy).
+
 Limits: no amsgrad, maximize, sparse gradients or gradient clipping (buckets update before the
 global norm is known); one working device; parameters must not be replaced after construction;
 not a ``torch.optim.Optimizer`` (for an lr schedule edit ``param_groups[i]["lr"]``).
@@ -31,20 +43,32 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from effdl.optim.quantized_state import QuantizedAdamMoments, dequantize, num_blocks
+from effdl.optim.quantized_state import (
+    CodeMaps,
+    QuantizedMomentBuffers,
+    dequantize,
+    num_blocks,
+)
 from effdl.profiling.timeline import Timeline
 
 _GROUP_DEFAULT_KEYS = ("lr", "betas", "eps", "weight_decay")
 GRAD_ACCUMULATION_MODES = ("cpu", "gpu")
 MOMENT_FORMATS = ("fp32", "int8")
+UPDATE_LOCATIONS = ("host", "device")
+# update_on="device": buckets whose scratch may live on the device at once (bounds its memory).
+DEVICE_BUCKETS_IN_FLIGHT = 2
+# update_on="device": blocks per chunk of the 8-bit step; its temporaries are ~40 B per value.
+DEVICE_CHUNK_BLOCKS = 4096
 # Parameter offsets inside flat buffers are multiples of this many elements (256 B for fp32), so
 # every working weight is as aligned as a fresh allocation and GEMMs pick their fast kernels.
 ALIGN_ELEMENTS = 64
@@ -61,20 +85,21 @@ class _Bucket:
     master: Tensor  # fp32, CPU
     exp_avg: Tensor  # fp32 moments; empty with int8 moments
     exp_avg_sq: Tensor
-    grad: Tensor  # fp32 accumulated gradients, CPU
+    grad: Tensor  # fp32 accumulated gradients, CPU (empty where they stay on the device)
     work: Tensor  # working weights on the device (params are views of it)
     steps: list[Tensor]  # one float32 scalar per param, as torch's fused Adam keeps them
     weight_stage: Tensor | None = None  # pinned, working dtype: H2D source
     grad_stage: Tensor | None = None  # pinned, working dtype: D2H target ("cpu" mode)
     gpu_acc: Tensor | None = None  # fp32 on the device ("gpu" mode)
-    quantized: list[QuantizedAdamMoments] = field(default_factory=list)  # int8 moments
+    quantized: QuantizedMomentBuffers | None = None  # int8 moments, CPU
     has_grad: list[bool] = field(default_factory=list)  # accumulated grad present
     on_host: list[bool] = field(default_factory=list)  # ...and already added into .grad
     reported: list[int] = field(default_factory=list)  # indices reported in this backward
     staged: list[int] = field(default_factory=list)  # "cpu" mode: in grad_stage, not yet added
     job: Future | None = None  # last worker job touching this bucket's host buffers
     h2d_done: Any = None  # CUDA event after the last weight copy-back
-    d2h_done: Any = None  # CUDA event after the last grad copy
+    d2h_done: Any = None  # CUDA event after the last grad copy (or device update's copy-back)
+    grads_ready: Any = None  # CUDA event: compute stream done with this step's gradients
 
     index: int = 0  # position in the optimizer's bucket list (for the timeline)
 
@@ -104,6 +129,7 @@ class CPUOffloadAdam:
         grad_accumulation: ``"cpu"`` or ``"gpu"`` (see module docstring; ignored on CPU).
         bucket_numel: target parameters per bucket (a larger tensor gets its own bucket).
         moments: ``"fp32"`` or ``"int8"`` (block-wise 8-bit; see the module docstring).
+        update_on: ``"host"`` or, with int8 moments, ``"device"`` (see the module docstring).
         num_threads: if given, ``torch.set_num_threads(num_threads)`` (process-wide) for the
             CPU update.
     """
@@ -123,6 +149,7 @@ class CPUOffloadAdam:
         bucket_numel: int = 2**25,
         num_threads: int | None = None,
         moments: str = "fp32",
+        update_on: str = "host",
     ) -> None:
         if grad_accumulation not in GRAD_ACCUMULATION_MODES:
             raise ValueError(
@@ -134,7 +161,12 @@ class CPUOffloadAdam:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
         if moments not in MOMENT_FORMATS:
             raise ValueError(f"moments must be one of {MOMENT_FORMATS}, got {moments!r}")
+        if update_on not in UPDATE_LOCATIONS:
+            raise ValueError(f"update_on must be one of {UPDATE_LOCATIONS}, got {update_on!r}")
+        if update_on == "device" and moments != "int8":
+            raise ValueError('update_on="device" needs moments="int8"')
         self.moments = moments
+        self.update_on = update_on
         self.adamw = adamw
         self.working_dtype = working_dtype
         self.grad_accumulation = grad_accumulation
@@ -143,11 +175,15 @@ class CPUOffloadAdam:
         first = self.param_groups[0]["params"][0]
         self.device = torch.device(device) if device is not None else first.device
         self._cuda = self.device.type == "cuda"
+        self._on_device = update_on == "device"
+        self._grads_stay_on_device = self._on_device and self._cuda and grad_accumulation == "gpu"
+        if self._on_device:
+            self._maps = CodeMaps.on(self.device)
+            self._in_flight: deque[Any] = deque()  # download events of device updates
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        if self._cuda:
-            self._d2h_stream = torch.cuda.Stream(self.device)
-            self._h2d_stream = torch.cuda.Stream(self.device)
+        self._d2h_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._h2d_stream = torch.cuda.Stream(self.device) if self._cuda else None
         # One worker: bucket jobs run in submission order, each parallel inside torch's kernels.
         self._pool = ThreadPoolExecutor(
             max_workers=1,
@@ -196,6 +232,7 @@ class CPUOffloadAdam:
             master[off : off + p.numel()].copy_(p.detach().reshape(-1))
         int8 = self.moments == "int8"
         moments_numel = 0 if int8 else n
+        numels = [p.numel() for p in params]
         b = _Bucket(
             group=group,
             params=params,
@@ -204,16 +241,17 @@ class CPUOffloadAdam:
             master=master,
             exp_avg=torch.zeros(moments_numel, pin_memory=pin),
             exp_avg_sq=torch.zeros(moments_numel, pin_memory=pin),
-            quantized=[QuantizedAdamMoments(p.numel()) for p in params] if int8 else [],
-            grad=host(torch.float32),
+            quantized=QuantizedMomentBuffers(numels, offsets, n, pin_memory=pin) if int8 else None,
+            grad=torch.empty(0) if self._grads_stay_on_device else host(torch.float32),
             work=torch.empty(n, dtype=self.working_dtype, device=self.device),
             steps=[torch.zeros((), dtype=torch.float32) for _ in params],
             has_grad=[False] * len(params),
             on_host=[False] * len(params),
         )
         if self._cuda:
-            b.weight_stage = master.to(self.working_dtype).pin_memory()
-            b.work.copy_(b.weight_stage)
+            if not self._on_device:
+                b.weight_stage = master.to(self.working_dtype).pin_memory()
+            b.work.copy_(master)
             if self.grad_accumulation == "cpu":
                 b.grad_stage = host(self.working_dtype)
             else:
@@ -284,18 +322,31 @@ class CPUOffloadAdam:
     def _bucket_ready(self, b: _Bucket, update: bool) -> None:
         """All gradients of ``b`` for this backward are in: move them to the host (and update)."""
         b.reported = []
-        if self._cuda and (update or b.staged):
-            self._start_d2h(b)
         if update:
-            b.job = self._submit(self._update, b)
-        elif b.staged:
+            self._start_update(b)
+            return
+        if self._cuda and b.staged:
+            self._start_d2h(b)
+        if b.staged:
             b.job = self._submit(self._add_staged, b)
+
+    def _start_update(self, b: _Bucket) -> None:
+        """Enqueue ``b``'s update: its gradients towards where it runs, then the worker job."""
+        if self._cuda and not self._grads_stay_on_device:
+            self._start_d2h(b)
+        if not self._on_device:
+            b.job = self._submit(self._update, b)
+            return
+        if self._cuda:
+            b.grads_ready = torch.cuda.Event()
+            b.grads_ready.record(torch.cuda.current_stream(self.device))
+        b.job = self._submit(self._update_on_device, b)
 
     def _start_d2h(self, b: _Bucket) -> None:
         """Enqueue the copy of ``b``'s pending gradients to the host on the D2H stream."""
         compute = torch.cuda.current_stream(self.device)
         self._d2h_stream.wait_stream(compute)
-        if self.grad_accumulation == "gpu":
+        if self.grad_accumulation == "gpu" and not self._grads_stay_on_device:
             pending = [i for i in range(len(b.params)) if b.has_grad[i] and not b.on_host[i]]
             if pending:
                 start = self.timeline.mark(self._d2h_stream)
@@ -330,20 +381,12 @@ class CPUOffloadAdam:
         if not idx:
             return
         start = time.perf_counter()
-        g = b.group
-        beta1, beta2 = g["betas"]
-        hyper = {
-            "lr": float(g["lr"]),
-            "beta1": float(beta1),
-            "beta2": float(beta2),
-            "weight_decay": float(g["weight_decay"]),
-            "eps": float(g["eps"]),
-        }
+        hyper = _hyper(b.group)
         steps = [b.steps[i] for i in idx]
         torch._foreach_add_(steps, 1.0)
-        if b.quantized:
+        if b.quantized is not None:
             for i in idx:
-                b.quantized[i].step(
+                b.quantized.moments[i].step(
                     b.view(b.master, i).view(-1),
                     b.view(b.grad, i).view(-1),
                     b.steps[i],
@@ -368,11 +411,80 @@ class CPUOffloadAdam:
         self._copy_back(b, idx)
         self.timeline.add("cpu_update", b.index, start, time.perf_counter())
 
+    def _update_on_device(self, b: _Bucket) -> None:
+        """Worker: the int8 Adam step of the bucket's params that have gradients, on the device.
+
+        Masters and moments go up on the H2D stream, the step and the cast into the working
+        weights run there after the compute stream's work on this bucket, and masters and
+        moments come back on the D2H stream. Only enqueues work, except for waiting until at
+        most :data:`DEVICE_BUCKETS_IN_FLIGHT` buckets hold device scratch.
+        """
+        if b.staged:
+            self._add_staged(b)
+        idx = [i for i in range(len(b.params)) if b.has_grad[i]]
+        if not idx:
+            return
+        hyper = _hyper(b.group)
+        steps = [b.steps[i] for i in idx]
+        torch._foreach_add_(steps, 1.0)
+        while len(self._in_flight) >= DEVICE_BUCKETS_IN_FLIGHT:
+            self._in_flight.popleft().synchronize()
+        with self._stream(self._h2d_stream):
+            start = self.timeline.mark(self._h2d_stream)
+            master = b.master.to(self.device, non_blocking=True)
+            moments = b.quantized.to(self.device, self._maps)
+            grad = b.gpu_acc if self._grads_stay_on_device and not b.on_host[idx[0]] else b.grad
+            grad = grad.to(self.device, non_blocking=True)
+            device_steps = torch.stack(steps).to(self.device, non_blocking=True)
+            uploaded = self.timeline.mark(self._h2d_stream)
+            if self._cuda:
+                self._h2d_stream.wait_event(b.grads_ready)
+            for k, i in enumerate(idx):
+                moments.moments[i].step(
+                    b.view(master, i).view(-1),
+                    b.view(grad, i).view(-1),
+                    device_steps[k],
+                    adamw=self.adamw,
+                    chunk_blocks=DEVICE_CHUNK_BLOCKS,
+                    **hyper,
+                )
+            b.work.copy_(master)
+            self.timeline.add("h2d", b.index, start, uploaded)
+            self.timeline.add("device_update", b.index, uploaded, self.timeline.mark())
+        for i in idx:
+            b.has_grad[i] = b.on_host[i] = False
+        if not self._cuda:
+            return  # the step ran in the host buffers themselves
+        b.h2d_done = torch.cuda.Event()
+        b.h2d_done.record(self._h2d_stream)
+        self._d2h_stream.wait_event(b.h2d_done)
+        with self._stream(self._d2h_stream):
+            start = self.timeline.mark(self._d2h_stream)
+            b.master.copy_(master, non_blocking=True)
+            b.quantized.copy_(moments)
+            self.timeline.add("d2h", b.index, start, self.timeline.mark(self._d2h_stream))
+        scratch = [master, *moments.buffers.values()] + ([] if grad is b.gpu_acc else [grad])
+        for t in scratch:
+            t.record_stream(self._d2h_stream)  # keep the scratch until the copies are done
+        b.d2h_done = torch.cuda.Event()
+        b.d2h_done.record(self._d2h_stream)
+        self._in_flight.append(b.d2h_done)
+
+    def _stream(self, stream: Any) -> Any:
+        """``torch.cuda.stream(stream)`` on CUDA; on the CPU work runs in order anyway."""
+        return torch.cuda.stream(stream) if self._cuda else nullcontext()
+
     def _copy_back(self, b: _Bucket, idx: list[int]) -> None:
         """Cast updated masters to the working dtype and put them on the device."""
         if not self._cuda:
             for i in idx:
                 b.view(b.work, i).copy_(b.view(b.master, i))
+            return
+        if b.weight_stage is None:  # device updates: the masters go up and are cast there
+            with self._stream(self._h2d_stream):
+                b.work.copy_(b.master.to(self.device, non_blocking=True))
+            b.h2d_done = torch.cuda.Event()
+            b.h2d_done.record(self._h2d_stream)
             return
         if b.h2d_done is not None:
             b.h2d_done.synchronize()  # the previous copy-back still reads weight_stage
@@ -428,11 +540,14 @@ class CPUOffloadAdam:
                 b.has_grad = [False] * len(b.params)
                 b.on_host = [False] * len(b.params)
             elif any(b.has_grad):
-                if self._cuda:
-                    self._start_d2h(b)
-                b.job = self._submit(self._update, b)
+                self._start_update(b)
         for b in self._buckets:
             self._wait_host(b)
+        if self._on_device and self._cuda:
+            for b in self._buckets:
+                if b.d2h_done is not None:
+                    b.d2h_done.synchronize()  # host masters and moments are this step's
+            self._in_flight.clear()
         if self._cuda:
             # Later kernels must see the new weights, and must not overwrite gpu_acc mid-copy.
             compute = torch.cuda.current_stream(self.device)
@@ -455,12 +570,18 @@ class CPUOffloadAdam:
             self._wait_host(b)
             if b.d2h_done is not None:
                 b.d2h_done.synchronize()
-        grads = [b.view(b.grad, i) for b in self._buckets for i, h in enumerate(b.has_grad) if h]
-        found_inf = torch.zeros(1)
+        grads = [
+            b.view(b.gpu_acc if self._grads_stay_on_device else b.grad, i)
+            for b in self._buckets
+            for i, h in enumerate(b.has_grad)
+            if h
+        ]
+        where = self.device if self._grads_stay_on_device else "cpu"
+        found_inf = torch.zeros(1, device=where)
         if grads:
-            inv = torch.full((1,), 1.0 / scale)
+            inv = torch.full((1,), 1.0 / scale, device=where)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
-        return bool(found_inf)
+        return bool(found_inf)  # the step's one host sync
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients accumulated since the last step (``set_to_none`` is accepted for
@@ -490,8 +611,8 @@ class CPUOffloadAdam:
             b, i = self._where[p]
             if float(b.steps[i]) == 0:
                 continue  # never stepped: torch.optim has no state for it either
-            if b.quantized:
-                moments = {k: t.clone() for k, t in b.quantized[i].state_dict().items()}
+            if b.quantized is not None:
+                moments = {k: t.clone() for k, t in b.quantized.moments[i].state_dict().items()}
             else:
                 moments = {
                     "exp_avg": b.view(b.exp_avg, i).clone(),
@@ -550,8 +671,8 @@ class CPUOffloadAdam:
             s = saved_state.get(idx)
             if s is None:
                 b.steps[i].zero_()
-                if b.quantized:
-                    b.quantized[i].zero_()
+                if b.quantized is not None:
+                    b.quantized.moments[i].zero_()
                 else:
                     b.view(b.exp_avg, i).zero_()
                     b.view(b.exp_avg_sq, i).zero_()
@@ -568,11 +689,11 @@ class CPUOffloadAdam:
                 torch.cuda.current_stream(self.device).wait_event(b.h2d_done)
 
     def moment_nbytes(self) -> int:
-        """Host bytes held by the Adam moments (both; alignment padding included for fp32)."""
+        """Host bytes held by the Adam moments (both; alignment padding included)."""
         total = 0
         for b in self._buckets:
             total += b.exp_avg.nbytes + b.exp_avg_sq.nbytes
-            total += sum(q.nbytes for q in b.quantized)
+            total += b.quantized.nbytes if b.quantized is not None else 0
         return total
 
     def master_params(self) -> list[Tensor]:
@@ -636,11 +757,11 @@ def _make_groups(
 
 def _load_moments(b: _Bucket, i: int, s: dict[str, Any]) -> None:
     """Set parameter ``i``'s moments from a checked state entry, in either stored form."""
-    if b.quantized:
+    if b.quantized is not None:
         if "exp_avg_codes" in s:
-            b.quantized[i].load_state_dict(s)
+            b.quantized.moments[i].load_state_dict(s)
         else:
-            b.quantized[i].set(s["exp_avg"], s["exp_avg_sq"])
+            b.quantized.moments[i].set(s["exp_avg"], s["exp_avg_sq"])
         return
     exp_avg, exp_avg_sq = b.view(b.exp_avg, i), b.view(b.exp_avg_sq, i)
     if "exp_avg_codes" in s:
@@ -651,6 +772,18 @@ def _load_moments(b: _Bucket, i: int, s: dict[str, Any]) -> None:
     else:
         exp_avg.copy_(s["exp_avg"])
         exp_avg_sq.copy_(s["exp_avg_sq"])
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, float]:
+    """A param group's hyper-parameters as the fused Adam kernels take them."""
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "weight_decay": float(group["weight_decay"]),
+        "eps": float(group["eps"]),
+    }
 
 
 def _check_param_state(s: dict[str, Any] | None, idx: int, p: Tensor) -> None:

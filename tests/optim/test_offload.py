@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from effdl.optim import CPUOffloadAdam, CPUOffloadAdamW
+from effdl.optim import CPUOffloadAdam, CPUOffloadAdamW, offload
 
 # fp32 working weights vs torch's single-tensor Adam: the fused kernel orders the same fp32
 # operations differently, so parameters agree to a few ulps after several steps.
@@ -257,6 +257,8 @@ def test_adamw_subclass_has_torch_adamw_defaults() -> None:
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"grad_accumulation": "disk"}, "grad_accumulation"),
         ({"working_dtype": torch.int8}, "working_dtype"),
+        ({"update_on": "gpu"}, "update_on"),
+        ({"update_on": "device"}, 'needs moments="int8"'),
     ],
 )
 def test_bad_arguments_are_rejected(kwargs: dict, match: str) -> None:
@@ -384,7 +386,8 @@ def max_relative_distance(a: nn.Module, b: nn.Module) -> float:
     return max(float((p - q).norm() / p.norm()) for p, q in pairs)
 
 
-def test_int8_moments_track_torch_adam_within_batch_order_noise() -> None:
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_int8_moments_track_torch_adam_within_batch_order_noise(update_on: str) -> None:
     """300 Adam steps (lr 1e-3, mini-batches of 64) of a 150k-parameter MLP. Noise is the gap
     between two torch.optim.Adam runs that differ only in mini-batch order. Measured: int8 vs
     fp32 mean |loss gap| 2.1e-4 nats against a noise of 3.6e-3; parameters 1.6% apart against
@@ -392,7 +395,10 @@ def test_int8_moments_track_torch_adam_within_batch_order_noise() -> None:
     ref_curve, ref = torch_adam_curve(order_seed=0)
     noise_curve, reordered = torch_adam_curve(order_seed=1)
     model = student()
-    opt = CPUOffloadAdam(model.parameters(), lr=1e-3, working_dtype=torch.float32, moments="int8")
+    opt = CPUOffloadAdam(
+        model.parameters(), lr=1e-3, working_dtype=torch.float32, moments="int8",
+        update_on=update_on,
+    )  # fmt: skip
 
     def update(loss: torch.Tensor) -> None:
         opt.backward(loss, final=True)
@@ -409,12 +415,13 @@ def test_int8_moments_track_torch_adam_within_batch_order_noise() -> None:
 
 def test_int8_moments_take_about_a_quarter_of_the_host_bytes() -> None:
     model = student()
-    n = sum(p.numel() for p in model.parameters())
     fp32 = CPUOffloadAdam(model.parameters(), working_dtype=torch.float32)
     int8 = CPUOffloadAdam(student().parameters(), working_dtype=torch.float32, moments="int8")
     blocks = sum(-(-p.numel() // 2048) for p in model.parameters())
-    assert int8.moment_nbytes() == 2 * (n + 4 * blocks)
-    assert fp32.moment_nbytes() >= 8 * n  # plus alignment padding between parameters
+    # codes sit at the parameters' offsets in the flat buckets, 64-value aligned like the masters
+    aligned = sum(-(-p.numel() // 64) * 64 for p in model.parameters())
+    assert int8.moment_nbytes() == 2 * (aligned + 4 * blocks)
+    assert fp32.moment_nbytes() == 8 * aligned
     assert int8.moment_nbytes() < 0.26 * fp32.moment_nbytes()
     fp32.close()
     int8.close()
@@ -462,6 +469,28 @@ def test_int8_state_dict_round_trips_and_converts() -> None:
     fp32 = continue_from(state, "fp32")
     for a, b in zip(expected, fp32, strict=True):
         torch.testing.assert_close(a, b, rtol=0.05, atol=2e-3)
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+def test_int8_device_update_on_cpu_equals_the_host_update_bit_for_bit(adamw: bool) -> None:
+    """update_on="device" with device="cpu" takes the device path (per-bucket moments, chunks
+    of the device size, copy-back into the working weights) with the CPU's fused kernels: every
+    master, moment code, absmax and step count equals the host path's. Several buckets, two
+    param groups, micro-batches, and a parameter without gradients."""
+    t = twins(seed=3, n=4, micro=2)
+    kw = {"working_dtype": torch.float32, "moments": "int8", "bucket_numel": 100}
+    host = run_offload(t.ours, t.data, adamw, **kw)
+    device_model = copy.deepcopy(t.base)
+    device = run_offload(device_model, t.data, adamw, update_on="device", **kw)
+    host_state, device_state = host.state_dict()["state"], device.state_dict()["state"]
+    assert host_state.keys() == device_state.keys() and len(host_state) == 7  # "unused": none
+    for idx, entry in host_state.items():
+        for key, value in entry.items():
+            assert torch.equal(device_state[idx][key], value), (idx, key)
+    for a, b in zip(t.ours.parameters(), device_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    host.close()
+    device.close()
 
 
 def test_int8_state_with_wrong_codes_is_rejected() -> None:
@@ -532,4 +561,87 @@ def test_gpu_path_matches_cpu_torch_adam(grad_accumulation: str, adamw: bool) ->
         assert w.device.type == "cuda" and w.dtype == torch.bfloat16
         assert torch.equal(w.cpu(), m_ours.to(torch.bfloat16))
         torch.testing.assert_close(m_ours, f.detach(), rtol=2e-2, atol=2e-2)
+    opt.close()
+
+
+def _int8_twins_on_gpu(grad_accumulation: str, scale: float | None, steps: int = 4) -> tuple:
+    """TinyNet trained on the GPU (bf16 working weights) by int8 CPUOffloadAdam with the update
+    on the host and on the device; returns both optimizers, both models and the fp32 reference."""
+    t = twins(seed=6, n=steps, micro=3)
+    models, opts = [t.ours, copy.deepcopy(t.base)], []
+    for model, update_on in zip(models, ("host", "device"), strict=True):
+        opt = CPUOffloadAdam(
+            make_groups(model), lr=1e-2, device="cuda", moments="int8", update_on=update_on,
+            grad_accumulation=grad_accumulation, bucket_numel=100,
+        )  # fmt: skip
+        for step in t.data:
+            for i, (x, y) in enumerate(step):
+                loss = loss_fn(model, x.cuda(), y.cuda(), len(step))
+                opt.backward(loss, final=i == len(step) - 1, scale=scale)
+            opt.step()
+        opts.append(opt)
+    torch.cuda.synchronize()
+    return opts, models, t.ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_accumulation", ["cpu", "gpu"])
+@pytest.mark.parametrize("scale", [None, 1024.0])
+def test_int8_device_update_on_gpu_matches_the_host_update(
+    grad_accumulation: str, scale: float | None
+) -> None:
+    """The CUDA path of update_on="device" against the host path: the kernels differ only in
+    the fused Adam's rounding (CUDA vs CPU), so masters agree to float tolerance (a moment code
+    flipped at a rounding boundary moves an update by ~1% of lr = 1e-4), the working weights are
+    exactly the masters cast to bf16, and both stay near the fp32 torch.optim.Adam run."""
+    (host, device), (host_model, device_model), fp32_ref = _int8_twins_on_gpu(
+        grad_accumulation, scale
+    )
+    pairs = zip(
+        masters_in_model_order(host, host_model),
+        masters_in_model_order(device, device_model),
+        device_model.parameters(),
+        fp32_ref.parameters(),
+        strict=True,
+    )
+    for m_host, m_device, w, f in pairs:
+        torch.testing.assert_close(m_device, m_host, rtol=1e-3, atol=1e-3)
+        assert w.device.type == "cuda" and w.dtype == torch.bfloat16
+        assert torch.equal(w.cpu(), m_device.to(torch.bfloat16))
+        torch.testing.assert_close(m_device, f.detach(), rtol=2e-2, atol=2e-2)
+    host_state, device_state = host.state_dict()["state"], device.state_dict()["state"]
+    for idx, entry in host_state.items():
+        assert torch.equal(device_state[idx]["step"], entry["step"])
+        same = device_state[idx]["exp_avg_sq_codes"] == entry["exp_avg_sq_codes"]
+        assert same.float().mean() > 0.95
+    host.close()
+    device.close()
+
+
+@pytest.mark.gpu
+def test_int8_device_update_scratch_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peak device memory of step() over what was allocated before it: at most
+    DEVICE_BUCKETS_IN_FLIGHT buckets of scratch (fp32 masters + two code buffers + absmaxes +
+    steps) plus one chunk's temporaries (~40 B per value), for 8 buckets of 2**20 values; all
+    eight buckets at once would need about three times the bound."""
+    monkeypatch.setattr(offload, "DEVICE_CHUNK_BLOCKS", 64)  # temporaries: 64 * 2048 values
+    bucket = 2**20
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(8)])
+    opt = CPUOffloadAdam(
+        model.parameters(), device="cuda", moments="int8", update_on="device",
+        bucket_numel=bucket,
+    )  # fmt: skip
+    x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # the second step runs with a warm allocator
+        opt.backward(model(x).float().square().mean())  # final=False: every update in step()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+    per_bucket = bucket * (4 + 2) + 2 * 4 * bucket // 2048
+    bound = offload.DEVICE_BUCKETS_IN_FLIGHT * per_bucket + 40 * 64 * 2048 + 2**20
+    assert extra <= bound, (extra, bound)
+    assert 8 * per_bucket > 2.5 * bound
     opt.close()

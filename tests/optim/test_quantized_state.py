@@ -11,7 +11,9 @@ import torch
 from effdl.optim import quantized_state as qs
 from effdl.optim.quantized_state import (
     BLOCK_SIZE,
+    CodeMaps,
     QuantizedAdamMoments,
+    QuantizedMomentBuffers,
     dequantize,
     dynamic_code,
     quantize,
@@ -83,7 +85,7 @@ def test_zero_blocks_and_shapes_round_trip() -> None:
 
 @pytest.mark.parametrize("numel", [1, 2048, 2049, 10_000])
 def test_memory_is_one_byte_per_value_plus_one_absmax_per_block(numel: int) -> None:
-    state = QuantizedAdamMoments(numel)
+    state = QuantizedAdamMoments.zeros(numel)
     expected = 2 * (numel + 4 * math.ceil(numel / 2048))
     assert state.nbytes == expected == 2 * qs.quantized_nbytes(numel)
     held = [state.exp_avg_codes, state.exp_avg_absmax, state.exp_avg_sq_codes]
@@ -105,7 +107,7 @@ def test_step_is_fused_adam_on_the_dequantized_moments(
     monkeypatch.setattr(qs, "CHUNK_BLOCKS", 2)  # several chunks, the last one short
     n = 5 * BLOCK_SIZE + 77
     g = torch.Generator().manual_seed(0)
-    state = QuantizedAdamMoments(n)
+    state = QuantizedAdamMoments.zeros(n)
     state.set(torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4)
     param, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
     step = torch.tensor(3.0)
@@ -124,10 +126,33 @@ def test_step_is_fused_adam_on_the_dequantized_moments(
 
 def test_state_dict_round_trip_is_lossless() -> None:
     n = 3000
-    a = QuantizedAdamMoments(n)
+    a = QuantizedAdamMoments.zeros(n)
     a.set(heavy_tailed(n, 1, signed=True), heavy_tailed(n, 2, signed=False))
-    b = QuantizedAdamMoments(n)
+    b = QuantizedAdamMoments.zeros(n)
     b.load_state_dict({k: t.clone() for k, t in a.state_dict().items()})
     assert torch.equal(b.exp_avg(), a.exp_avg()) and torch.equal(b.exp_avg_sq(), a.exp_avg_sq())
     b.zero_()
     assert not b.exp_avg().any() and not b.exp_avg_sq().any()
+
+
+def test_moment_buffers_hold_per_tensor_moments_in_four_flat_buffers() -> None:
+    """Tensors of 3000, 10 and 2048 values at offsets 0, 3008, 3072 of 5120-value buffers:
+    codes at those offsets, absmaxes in runs of 2, 1 and 1 blocks. ``to`` the buffers' own
+    device shares their memory; ``copy_`` into fresh buffers of that layout reproduces every
+    moment exactly."""
+    numels, offsets = [3000, 10, 2048], [0, 3008, 3072]
+    buffers = QuantizedMomentBuffers(numels, offsets, 5120)
+    assert buffers.nbytes == 2 * (5120 + 4 * 4)
+    for k, (state, n) in enumerate(zip(buffers.moments, numels, strict=True)):
+        state.set(heavy_tailed(n, 10 + k, signed=True), heavy_tailed(n, 20 + k, signed=False))
+    flat = buffers.buffers["exp_avg_codes"]
+    assert torch.equal(flat[3008:3018], buffers.moments[1].exp_avg_codes)
+    assert buffers.buffers["exp_avg_absmax"][3] == buffers.moments[2].exp_avg_absmax[0]
+    saved = [(s.exp_avg(), s.exp_avg_sq()) for s in buffers.moments]
+
+    same = buffers.to(torch.device("cpu"), CodeMaps.on("cpu"))
+    assert same.buffers["exp_avg_codes"].data_ptr() == flat.data_ptr()  # no copy on its device
+    copied = QuantizedMomentBuffers(numels, offsets, 5120)
+    copied.copy_(buffers)
+    for state, (m, v) in zip(copied.moments, saved, strict=True):
+        assert torch.equal(state.exp_avg(), m) and torch.equal(state.exp_avg_sq(), v)
