@@ -1,0 +1,418 @@
+"""The LM speed-up study: the GPT-like LM trained stage by stage, from a first attempt to torch.compile.
+
+Stage 0 is fp32, BRAIN padding and a loop with planted inefficiencies; every later stage adds
+one fix (``lm_training/stage_steps.py`` lists them). All stages train the same seeded model on
+the same documents per step (the same real tokens; padding never counts) for the same number of
+steps: ``--warmup-steps`` untimed, then the timed steps, then ``--profile-steps`` under
+torch.profiler (a gzipped Chrome trace per stage in ``--trace-dir``, Perfetto-viewable).
+
+    python lm_training/speedup_stages.py --quick                  # CPU: tiny model, seconds
+    python lm_training/speedup_stages.py --device cuda            # d 1024, seq 640, all stages
+    python lm_training/speedup_stages.py --device cuda --stage 3  # one stage (cumulative config)
+
+Data: the standard-library corpus (``effdl.data.stdlib_text``) cut into paragraphs (blocks
+between blank lines, a heavy-tailed length distribution like WikiText's lines), BPE-tokenized
+with a ``<bos>`` in front and truncated to ``--max-length``. One record per stage in
+``--out/speedup_stages.jsonl``; on the CPU the compile stage is skipped (logged as such) unless
+``--compile-on-cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import itertools
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lm_data
+import numpy as np
+import stage_steps as st
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from effdl.cli import (
+    ConfigFlags,
+    Run,
+    UsageError,
+    base_parser,
+    print_table,
+    require_choices,
+    require_positive,
+    run_main,
+    start_run,
+)
+from effdl.data.parquet import read_text_column
+from effdl.data.stdlib_text import DEFAULT_CACHE
+from effdl.data.tokenize import TokenizedCorpus, encode_with_tokenizer
+from effdl.models.gpt_like import GPTLikeConfig
+from effdl.profiling.timing import peak_memory
+
+TASK = "lm_training"
+LOG = "speedup_stages.jsonl"
+KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Settings shared by every stage; every field is a flag (``tokens_per_step`` ->
+    ``--tokens-per-step``). The model defaults are seed 001's (d 1024, 8 heads, one decoder
+    layer, feed-forward 2048) without dropout, so stages differ in speed only."""
+
+    steps: int = 60
+    warmup_steps: int = 8
+    profile_steps: int = 4
+    tokens_per_step: int = 16384  # real tokens of every step
+    max_length: int = 640
+    d_model: int = 1024
+    n_heads: int = 8
+    n_layers: int = 1
+    d_ff: int = 2048
+    lr: float = 3e-4
+    amp_dtype: str = "fp16"
+    workers: int = 4
+    bpe_vocab: int = 8192
+    corpus_bytes: int | None = None  # None: the whole stdlib corpus
+    cache: Path = DEFAULT_CACHE
+    compile_on_cpu: bool = False
+
+    @property
+    def timed_steps(self) -> int:
+        return self.steps - self.warmup_steps - self.profile_steps
+
+    def validate(self) -> None:
+        require_positive(self, "steps", "tokens_per_step", "max_length", "d_model", "n_heads")
+        require_positive(self, "n_layers", "d_ff", "bpe_vocab", "profile_steps")
+        require_positive(self, "warmup_steps", "workers", minimum=0)
+        require_positive(self, "lr", minimum=0)
+        require_choices(self, "amp_dtype", ("fp16", "bf16"))
+        if self.timed_steps < 1:
+            raise UsageError(
+                f"--steps {self.steps} leaves no timed step after --warmup-steps "
+                f"{self.warmup_steps} and --profile-steps {self.profile_steps}"
+            )
+
+    def model_config(self, vocab_size: int) -> GPTLikeConfig:
+        return GPTLikeConfig(
+            vocab_size=vocab_size,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+            d_ff=self.d_ff,
+            dropout=0.0,
+            max_length=self.max_length,
+        )
+
+
+FULL = StudyConfig()
+QUICK = replace(
+    FULL,
+    steps=4,
+    warmup_steps=1,
+    profile_steps=1,
+    tokens_per_step=128,
+    max_length=32,
+    d_model=64,
+    n_heads=4,
+    d_ff=128,
+    amp_dtype="bf16",
+    workers=1,
+    bpe_vocab=512,
+    corpus_bytes=1 << 20,
+)
+
+
+def stage_list(text: str) -> list[int]:
+    """argparse type of ``--stages``: ``all`` or comma-separated stage numbers."""
+    n = len(st.STAGE_FLAGS) + 1
+    if text == "all":
+        return list(range(n))
+    try:
+        picked = sorted({int(s) for s in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'all' or numbers like 0,3, got {text!r}"
+        ) from None
+    if picked[0] < 0 or picked[-1] >= n:
+        raise argparse.ArgumentTypeError(f"stages are 0..{n - 1}, got {text!r}")
+    return picked
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, StudyConfig]:
+    p = base_parser(__doc__.splitlines()[0], default_out="runs/lm_training")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--stage", type=stage_list, dest="stages", default=argparse.SUPPRESS, help="one stage"
+    )
+    which.add_argument("--stages", type=stage_list, default="all", help="'all' or e.g. 0,2,5")
+    p.add_argument("--trace-dir", type=Path, help="folder of the traces; default --out/traces")
+    flags = ConfigFlags(p, FULL, QUICK)
+    flags.add("steps", type=int, help="optimizer steps of every stage")
+    flags.add("warmup_steps", type=int, help="first steps, untimed")
+    flags.add("profile_steps", type=int, help="last steps, under torch.profiler")
+    flags.add("tokens_per_step", type=int, help="real (non-padding) tokens of every step")
+    flags.add("max_length", type=int, help="longest document and packed row")
+    flags.add("d_model", type=int)
+    flags.add("n_heads", type=int)
+    flags.add("n_layers", type=int)
+    flags.add("d_ff", type=int)
+    flags.add("lr", type=float, help="Adam learning rate")
+    flags.add("amp_dtype", choices=["fp16", "bf16"], help="fp16 uses the DynamicGradScaler")
+    flags.add("workers", type=int, help="DataLoader workers once the loader is fixed")
+    flags.add("bpe_vocab", type=int, help="vocabulary of the stdlib BPE")
+    flags.add("corpus_bytes", type=int, help="cap of the stdlib corpus; None = all of it")
+    flags.add("cache", type=Path, help="folder for the corpus parquets and the BPE")
+    flags.add("compile_on_cpu", action="store_true", help="run the compile stage on a CPU too")
+    args = p.parse_args(argv)
+    return args, flags.resolve(args)
+
+
+# ------------------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class StudyData:
+    plan: st.StepPlan
+    pad_id: int
+    vocab_size: int
+    corpus: str
+    documents: int
+    mean_length: float
+
+
+def paragraphs(texts: list[str]) -> list[str]:
+    """The non-empty blocks between blank lines of every text."""
+    return [b for t in texts for b in re.split(r"\n\s*\n", t) if b.strip()]
+
+
+def load_data(cfg: StudyConfig, seed: int) -> StudyData:
+    """The stdlib corpus as BPE paragraphs (``<bos>`` first, cut to ``max_length``) and the
+    step plan every stage trains on."""
+    source = lm_data.resolve_data(None, None, cfg.cache, cfg.corpus_bytes)
+    tokenizer, specials = lm_data.load_tokenizer(
+        lm_data.default_tokenizer(cfg.cache, cfg.corpus_bytes, cfg.bpe_vocab)
+    )
+    texts = read_text_column(source.train).to_pylist()
+    docs: TokenizedCorpus = encode_with_tokenizer(tokenizer, paragraphs(texts), specials.bos)
+    docs = docs.truncate(cfg.max_length, min_length=2)
+    if cfg.steps * cfg.tokens_per_step > docs.n_tokens:
+        print(f"note: {cfg.steps} steps of {cfg.tokens_per_step} tokens pass over the corpus "
+              f"({docs.n_tokens:,} tokens) more than once")  # fmt: skip
+    plan = st.plan_steps(
+        [docs[i] for i in range(len(docs))], cfg.steps, cfg.tokens_per_step, cfg.max_length, seed
+    )
+    return StudyData(
+        plan=plan,
+        pad_id=specials.pad,
+        vocab_size=tokenizer.get_vocab_size(),
+        corpus=source.name,
+        documents=len(docs),
+        mean_length=float(docs.lengths.mean()),
+    )
+
+
+# ------------------------------------------------------------------------ timing and traces
+class StepClock:
+    """Step boundaries: CUDA events on the current stream (no host sync: the GPU's own pace,
+    its idle waits for the host included) or ``perf_counter`` on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append(ev)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        """Seconds between consecutive marks (synchronizes once on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self._marks)]
+        return [b - a for a, b in itertools.pairwise(self._marks)]
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, -np.inf
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def step_breakdown(trace: dict, n_steps: int) -> dict[str, Any]:
+    """Per-step seconds from a Chrome trace of ``n_steps`` steps run in ``step`` ranges.
+
+    ``host``: wall time the training thread spent in each of :data:`stage_steps.RANGES`, and
+    ``host_gap`` = the rest of the step (logging, syncs, Python between the ranges).
+    ``device`` (None without GPU events): kernel and copy time launched from inside each range
+    (by the launch's time stamp, so backward kernels launched by autograd's thread count for
+    ``backward``), and ``device_idle`` = step wall time minus the device's busy time."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    spans = {name: [] for name in (*st.RANGES, "step")}
+    for e in events:
+        if e.get("cat") == "user_annotation" and e["name"] in spans:
+            spans[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
+    per_step = 1e-6 / n_steps
+    host = {name: sum(b - a for a, b in spans[name]) * per_step for name in st.RANGES}
+    step_s = sum(b - a for a, b in spans["step"]) * per_step
+    host["host_gap"] = step_s - sum(host.values())
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    kernels = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
+    if not kernels:
+        return {"step_s": step_s, "host": host, "device": None}
+    device = dict.fromkeys(st.RANGES, 0.0)
+    for k in kernels:
+        launched = launches.get(k.get("args", {}).get("correlation"))
+        for name in st.RANGES:
+            if launched is not None and any(a <= launched <= b for a, b in spans[name]):
+                device[name] += k["dur"] * per_step
+                break
+    device["device_idle"] = step_s - _busy([(k["ts"], k["ts"] + k["dur"]) for k in kernels]) * (
+        per_step
+    )
+    return {"step_s": step_s, "host": host, "device": device}
+
+
+def profiled_steps(
+    batches, parts: st.StepParts, losses: st.LossLog, first: int, n: int, trace: Path
+) -> dict:
+    """``n`` steps under torch.profiler; writes the gzipped Chrome trace, returns the breakdown."""
+    activities = [ProfilerActivity.CPU]
+    if parts.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for step in range(first, first + n):
+            with torch.profiler.record_function("step"):
+                loss, _ = st.train_step(batches, parts)
+                losses.add(step, loss)
+        if parts.device.type == "cuda":
+            torch.cuda.synchronize()
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    with gzip.open(trace, "rt", encoding="utf-8") as f:
+        return step_breakdown(json.load(f), n)
+
+
+# ---------------------------------------------------------------------------------- stages
+def run_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run, trace_dir: Path) -> dict:
+    """Train stage ``index`` from the seeded initial weights; its metrics."""
+    stage = st.stages()[index]
+    model_cfg = cfg.model_config(data.vocab_size)
+    model = st.build_model(model_cfg, stage, run.device, run.seed)
+    parts = st.StepParts(
+        model=model,
+        optimizer=st.build_optimizer(model, stage, cfg.lr),
+        precision=st.stage_precision(stage, run.device, cfg.amp_dtype),
+        stage=stage,
+        device=run.device,
+        pad_id=data.pad_id,
+    )
+    block = model.loader_block_size(run.device)
+    loader = st.step_loader(data.plan, stage, data.pad_id, block, cfg.workers, run.device)
+    batches = iter(loader)
+    losses = st.LossLog(stage.loss_read_once)
+    for step in range(cfg.warmup_steps):
+        losses.add(step, st.train_step(batches, parts)[0])
+    clock = StepClock(run.device)
+    slots = []
+    with peak_memory(run.device) as mem:
+        clock.mark()
+        for step in range(cfg.warmup_steps, cfg.warmup_steps + cfg.timed_steps):
+            loss, n_slots = st.train_step(batches, parts)
+            losses.add(step, loss)
+            slots.append(n_slots)
+            clock.mark()
+        step_s = clock.durations()
+    trace = trace_dir / f"{st.stage_name(index)}.json.gz"
+    first = cfg.warmup_steps + cfg.timed_steps
+    breakdown = profiled_steps(batches, parts, losses, first, cfg.profile_steps, trace)
+    curve = losses.values()
+    median = float(np.median(step_s))
+    return {
+        "tokens_per_step": cfg.tokens_per_step,
+        "steps": cfg.steps,
+        "timed_steps": cfg.timed_steps,
+        "step_s_median": median,
+        "step_s": step_s,
+        "tokens_per_s": cfg.tokens_per_step / median,
+        "tokens_per_s_mean": cfg.tokens_per_step * len(step_s) / sum(step_s),
+        "padding_fraction": 1 - cfg.tokens_per_step * len(slots) / sum(slots),
+        "peak_mem_gib": None if np.isnan(mem.gib) else mem.gib,
+        "loss_curve": curve,
+        "final_loss": curve[-1],
+        "breakdown": breakdown,
+        "trace": str(trace),
+        "skipped": None,
+    }
+
+
+def release(device: torch.device) -> None:
+    """Free the previous stage's memory before the next one starts."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def stage_record_config(index: int, cfg: StudyConfig, data: StudyData, run: Run) -> dict:
+    stage = st.stages()[index]
+    added = st.STAGE_FLAGS[index - 1] if index else ("baseline", "stage 0: the first attempt")
+    return {
+        "stage": index,
+        "fix": added[0],
+        "fix_description": added[1],
+        "fixes": stage.fixes,
+        **{k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "corpus": f"{data.corpus} paragraphs",
+        "documents": data.documents,
+        "mean_document_tokens": data.mean_length,
+        "rows_packed": data.plan.rows_packed,
+        "vocab_size": data.vocab_size,
+        "device": str(run.device),
+        "seed": run.seed,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, cfg = parse_args(argv)
+    run = start_run(args, TASK, LOG)
+    trace_dir = args.trace_dir or run.out / "traces"
+    data = load_data(cfg, run.seed)
+    rows = []
+    for index in args.stages:
+        config = stage_record_config(index, cfg, data, run)
+        if st.stages()[index].compile and run.device.type == "cpu" and not cfg.compile_on_cpu:
+            reason = "compile stage skipped on the CPU (minutes of compilation; --compile-on-cpu)"
+            print(f"note: {reason}")
+            run.log.log(st.stage_name(index), config, {"skipped": reason})
+            continue
+        m = run_stage(index, cfg, data, run, trace_dir)
+        release(run.device)
+        run.log.log(st.stage_name(index), config, m)
+        rows.append({
+            "stage": st.stage_name(index),
+            "tokens/s": m["tokens_per_s"],
+            "x prev": m["tokens_per_s"] / rows[-1]["tokens/s"] if rows else 1.0,
+            "x first": m["tokens_per_s"] / rows[0]["tokens/s"] if rows else 1.0,
+            "peak GiB": m["peak_mem_gib"],
+            "final loss": m["final_loss"],
+        })  # fmt: skip
+    print_table(rows, title=f"Speed-up stages on {run.where} (log: {run.log.path})")
+
+
+if __name__ == "__main__":
+    run_main(main)

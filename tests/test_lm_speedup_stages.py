@@ -1,0 +1,120 @@
+"""lm_training/speedup_stages.py: cumulative stages, the same real tokens in every step, the
+padded and the packed first step against each other in fp32, the trace breakdown on a
+hand-made trace, and a --quick run's records."""
+
+import dataclasses
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from effdl.models.gpt_like import GPTLikeConfig
+from effdl.results import read_records
+from tests.script_loading import load_script
+
+study = load_script("lm_training", "speedup_stages")
+st = study.st
+FLAGS = [name for name, _ in st.STAGE_FLAGS]
+
+
+def random_docs(n: int, max_length: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 97, rng.integers(1, max_length + 1)) for _ in range(n)]
+
+
+def test_each_stage_adds_one_fix_to_all_earlier_ones():
+    stages = st.stages()
+    assert len(stages) == len(FLAGS) + 1
+    assert stages[0].fixes == []
+    for i, stage in enumerate(stages[1:], start=1):
+        assert stage.fixes == FLAGS[:i]
+        assert set(stages[i - 1].fixes) < set(stage.fixes)
+    assert [st.stage_name(i) for i in (0, 1, len(FLAGS))] == [
+        "stage0_baseline",
+        "stage1_amp",
+        "stage10_compile",
+    ]
+
+
+def test_every_step_holds_the_budget_padded_or_packed():
+    plan = st.plan_steps(
+        random_docs(50, 32), n_steps=12, tokens_per_step=100, max_length=32, seed=1
+    )
+    assert [sum(len(d) for d in step) for step in plan.steps] == [100] * 12
+    padded = st.StepBatches(plan, packed=False, pad_id=0, attention_block_size=None)
+    packed = st.StepBatches(plan, packed=True, pad_id=0, attention_block_size=None)
+    for i in range(len(plan.steps)):
+        a, b = padded[i], packed[i]
+        assert a.input_ids.shape[1] == 32 and b.input_ids.shape == (plan.rows_packed, 32)
+        assert int(a.lengths.sum()) == b.n_real_tokens == 100
+        assert sorted(a.labels[a.labels >= 0].tolist()) == sorted(b.labels[b.labels >= 0].tolist())
+
+
+def test_padded_and_packed_first_step_losses_agree_in_fp32():
+    max_length = 32
+    plan = st.plan_steps(random_docs(40, max_length), 1, 160, max_length, seed=0)
+    cfg = GPTLikeConfig(
+        vocab_size=97, d_model=32, n_heads=4, d_ff=64, dropout=0.0, max_length=max_length
+    )
+    device = torch.device("cpu")
+    losses = []
+    for stage in (st.stages()[0], dataclasses.replace(st.stages()[2], amp=False)):
+        model = st.build_model(cfg, stage, device, seed=3)
+        parts = st.StepParts(
+            model, st.build_optimizer(model, stage, 1e-3), st.stage_precision(stage, device, "bf16"),
+            stage, device, pad_id=0,
+        )  # fmt: skip
+        batches = iter(st.step_loader(plan, stage, 0, None, workers=0, device=device))
+        losses.append(st.train_step(batches, parts)[0])
+    assert losses[0].dtype == torch.float32
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+def test_breakdown_attributes_kernels_to_the_range_that_launched_them():
+    def span(name, ts, dur, cat="user_annotation", **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+    trace = {
+        "traceEvents": [
+            span("step", 0, 100),
+            span("data_wait", 0, 10),
+            span("forward", 10, 30),
+            span("backward", 40, 40),
+            span("optimizer", 80, 15),
+            span("cudaLaunchKernel", 20, 1, cat="cuda_runtime", correlation=1),
+            span("cudaLaunchKernel", 50, 1, cat="cuda_runtime", correlation=2),
+            span("gemm", 25, 20, cat="kernel", correlation=1),
+            span("gemm_bwd", 45, 30, cat="kernel", correlation=2),  # overlaps the first
+        ]
+    }
+    out = study.step_breakdown(trace, n_steps=1)
+    assert out["step_s"] == pytest.approx(100e-6)
+    assert out["host"]["forward"] == pytest.approx(30e-6)
+    assert out["host"]["host_gap"] == pytest.approx(5e-6)
+    assert out["device"]["forward"] == pytest.approx(20e-6)
+    assert out["device"]["backward"] == pytest.approx(30e-6)
+    assert out["device"]["optimizer"] == 0
+    assert out["device"]["device_idle"] == pytest.approx(50e-6)  # busy 25..75
+
+
+def test_quick_run_writes_one_record_per_stage(tmp_path):
+    out, traces = tmp_path / "out", tmp_path / "traces"
+    study.main(["--quick", "--out", str(out), "--trace-dir", str(traces),
+                "--cache", str(tmp_path / "cache")])  # fmt: skip
+    records = read_records(out / study.LOG)
+    assert [r["variant"] for r in records] == [st.stage_name(i) for i in range(len(FLAGS) + 1)]
+    *trained, compiled = records
+    assert compiled["metrics"]["skipped"].startswith("compile stage skipped on the CPU")
+    for r in trained:
+        m = r["metrics"]
+        assert r["config"]["fixes"] == FLAGS[: r["config"]["stage"]]
+        assert len(m["loss_curve"]) == study.QUICK.steps
+        assert np.isfinite(m["loss_curve"]).all() and m["tokens_per_s"] > 0
+        assert m["breakdown"]["device"] is None and m["breakdown"]["host"]["forward"] > 0
+        with gzip.open(m["trace"], "rt") as f:
+            assert json.load(f)["traceEvents"]
+    # packing removes most of the padding the BRAIN stages train on
+    pads = [r["metrics"]["padding_fraction"] for r in trained]
+    assert max(pads[2:]) < min(pads[:2])
