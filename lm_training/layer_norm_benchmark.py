@@ -15,12 +15,19 @@ plus each row's mean and rstd (fp32, written once and read once) and the paramet
 dw, db written). Achieved bandwidth is those bytes over the median step time, set against the
 device-to-device copy bandwidth measured at the start of the same run.
 
+Two times per variant. ``step``: eager calls, as a model runs them; for small shapes this is the
+host's cost of launching the kernels (the GPU waits), which differs between a Triton launch and
+an aten op. ``graph`` (CUDA only): the same forward+backward captured once in a CUDA graph and
+replayed ``--graph-replays`` times between two events, in interleaved rounds: the kernels' own
+time, what the bandwidth fraction is about.
+
     python lm_training/layer_norm_benchmark.py --quick          # CPU: the PyTorch paths, seconds
     python lm_training/layer_norm_benchmark.py --device cuda    # the full grid
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -102,12 +109,13 @@ class BenchmarkConfig:
     rounds: int = 50
     min_time: float = 2.0
     copy_bytes: int = 2**30  # the copy bandwidth's size
+    graph_replays: int = 50  # per timed round of the CUDA-graph time
 
     def validate(self) -> None:
         require_choices(self, "dtypes", DTYPES)
         if self.variants is not None:
             require_choices(self, "variants", VARIANTS)
-        require_positive(self, "reps", "rounds")
+        require_positive(self, "reps", "rounds", "graph_replays")
         require_positive(self, "warmup", "warmup_time", "min_time", minimum=0)
         if not self.eps > 0:
             raise UsageError(f"--eps must be > 0, got {self.eps!r}")
@@ -133,6 +141,7 @@ class BenchmarkConfig:
 FULL = BenchmarkConfig()
 QUICK = BenchmarkConfig(
     shapes=list(QUICK_GRID),
+    graph_replays=3,
     warmup=1,
     warmup_time=0.0,
     reps=3,
@@ -154,6 +163,7 @@ def parse_args():
     flags.add("reps", type=int, help="timed steps per variant, at least")
     flags.add("rounds", type=int, help="variants take turns this many times per shape")
     flags.add("min_time", type=float, help="seconds of timed steps per variant")
+    flags.add("graph_replays", type=int, help="CUDA-graph replays per timed round (CUDA only)")
     args = p.parse_args()
     return args, flags.resolve(args)
 
@@ -169,6 +179,15 @@ def build_layer_norm(variant: str, hidden: int, eps: float, dtype, device) -> nn
     return torch.compile(ln) if variant == "compiled" else ln
 
 
+def step_inputs(shape: Shape, dtype: torch.dtype, device: torch.device):
+    """The input (requiring grad) and the output gradient of every variant's step."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    size = (shape.tokens, shape.hidden)
+    x = torch.randn(size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+    dy = torch.randn(size, device=device, dtype=dtype, generator=gen)
+    return x, dy
+
+
 def layer_norm_variant(
     variant: str, shape: Shape, dtype: torch.dtype, cfg: BenchmarkConfig, device: torch.device
 ) -> Variant:
@@ -176,10 +195,7 @@ def layer_norm_variant(
 
     def build():
         ln = build_layer_norm(variant, shape.hidden, cfg.eps, dtype, device)
-        gen = torch.Generator(device=device).manual_seed(1)
-        size = (shape.tokens, shape.hidden)
-        x = torch.randn(size, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-        dy = torch.randn(size, device=device, dtype=dtype, generator=gen)
+        x, dy = step_inputs(shape, dtype, device)
 
         def step(steps: int, regions: Regions | None) -> None:
             for _ in range(steps):
@@ -203,13 +219,55 @@ def layer_norm_variant(
     return Variant(variant, build)
 
 
+def captured_step(variant: str, shape: Shape, dtype: torch.dtype, cfg: BenchmarkConfig,
+                  device: torch.device) -> torch.cuda.CUDAGraph:  # fmt: skip
+    """``variant``'s forward+backward, warmed up on a side stream, captured in a CUDA graph
+    (the gradients are allocated by the capture and rewritten by every replay)."""
+    ln = build_layer_norm(variant, shape.hidden, cfg.eps, dtype, device)
+    x, dy = step_inputs(shape, dtype, device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compiles the compiled variant, picks kernels
+            ln(x).backward(dy)
+    torch.cuda.current_stream(device).wait_stream(side)
+    ln.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ln(x).backward(dy)
+    graph.keep = (ln, x, dy)  # the graph reads and writes their memory
+    return graph
+
+
+def graph_step_times(variants: list[str], shape: Shape, dtype: torch.dtype,
+                     cfg: BenchmarkConfig, device: torch.device) -> dict[str, list[float]]:  # fmt: skip
+    """Per variant, seconds per replayed step in each of ``cfg.rounds`` interleaved rounds."""
+    graphs = {v: captured_step(v, shape, dtype, cfg, device) for v in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for g in graphs.values():  # one untimed round
+        g.replay()
+    for _ in range(cfg.rounds):
+        for v, g in graphs.items():
+            start.record()
+            for _ in range(cfg.graph_replays):
+                g.replay()
+            end.record()
+            end.synchronize()
+            times[v].append(start.elapsed_time(end) / 1e3 / cfg.graph_replays)
+    return times
+
+
 def with_bandwidth(metrics: dict, shape: Shape, itemsize: int, copy_gb_per_s: float) -> dict:
     """``metrics`` with the bytes moved, the achieved GB/s and its fraction of the copy's."""
     nbytes = shape.bytes_moved(itemsize)
     metrics.update(bytes_moved=nbytes, copy_gb_per_s=copy_gb_per_s)
-    if "step_s_median" in metrics:
-        gb_per_s = nbytes / metrics["step_s_median"] / 1e9
-        metrics.update(gb_per_s=gb_per_s, frac_copy=gb_per_s / copy_gb_per_s)
+    for time_key, prefix in (("step_s_median", ""), ("graph_step_s_median", "graph_")):
+        if time_key in metrics:
+            gb_per_s = nbytes / metrics[time_key] / 1e9
+            metrics.update({f"{prefix}gb_per_s": gb_per_s,
+                            f"{prefix}frac_copy": gb_per_s / copy_gb_per_s})  # fmt: skip
     return metrics
 
 
@@ -226,6 +284,7 @@ def benchmark_shape(
     device, dtype = run.device, DTYPES[dtype_name]
     built = [layer_norm_variant(v, shape, dtype, cfg, device) for v in variants]
     results = time_variants(built, cfg.harness(), device)
+    graph = graph_step_times(variants, shape, dtype, cfg, device) if device.type == "cuda" else {}
     itemsize = torch.empty((), dtype=dtype).element_size()
     on_triton = uses_triton(torch.empty(1, device=device, dtype=dtype), shape.hidden)
     fused_path = "triton" if on_triton else "pytorch"
@@ -240,7 +299,12 @@ def benchmark_shape(
     }
     res = {}
     for variant in variants:
-        metrics = with_bandwidth(results[variant].metrics(), shape, itemsize, copy_gb_per_s)
+        metrics = results[variant].metrics()
+        if variant in graph:
+            metrics.update(graph_step_s=graph[variant],
+                           graph_step_s_median=statistics.median(graph[variant]),
+                           graph_replays=cfg.graph_replays)  # fmt: skip
+        metrics = with_bandwidth(metrics, shape, itemsize, copy_gb_per_s)
         metrics["path"] = fused_path if variant == "fused" else variant
         res[variant] = metrics
         run.log.log(variant, config, metrics)
@@ -253,6 +317,13 @@ def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict]) -> dict:
     row = {"shape": str(shape), "dtype": dtype_name}
     row.update({f"{v} ms": s * 1e3 for v, s in t.items()})
     row.update({f"{v} frac copy": m.get("frac_copy", nan) for v, m in res.items()})
+    if all("graph_step_s_median" in m for m in res.values()):
+        row.update({f"{v} graph ms": m["graph_step_s_median"] * 1e3 for v, m in res.items()})
+        row.update({f"{v} graph frac copy": m["graph_frac_copy"] for v, m in res.items()})
+        if "torch" in res and "fused" in res:
+            row["graph torch/fused"] = (
+                res["torch"]["graph_step_s_median"] / res["fused"]["graph_step_s_median"]
+            )
     if "torch" in res and "fused" in res:
         torch_chunks = res["torch"].get("step_s_per_chunk")
         fused_chunks = res["fused"].get("step_s_per_chunk")
