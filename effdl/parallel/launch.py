@@ -52,8 +52,14 @@ def _run_rank(
     backend: str,
     store_path: str,
     results: Any,
+    forked: bool,
 ) -> None:
     try:
+        if forked:
+            # The parent's OpenMP thread pool does not survive fork: a child whose parent ran a
+            # multi-threaded op hangs in its first parallel region. One intra-op thread per
+            # rank never enters one (and ranks sharing a CPU gain little from more).
+            torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         # Plain pickle (bytes), not torch's shared-memory reduction: the result must outlive
@@ -106,20 +112,22 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
 
     Results must be picklable. If any rank raises or dies, the others are given a moment to
     report, then terminated, and :class:`RankFailedError` is raised with every failed rank's
-    traceback. Processes are forked for gloo (fast; the children must then not use CUDA) and
+    traceback. Processes are forked for gloo (fast; the children must then not use CUDA, and
+    run with one intra-op thread: ``torch.set_num_threads(1)``) and
     spawned for other backends or once the parent has initialised CUDA; spawned children
     unpickle ``fn`` and ``args``, so ``fn`` must be importable by its module name.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    ctx = mp.get_context(_start_method(backend))
+    method = _start_method(backend)
+    ctx = mp.get_context(method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="effdl-spawn-") as tmp:
         store_path = os.path.join(tmp, "store")
         processes = [
             ctx.Process(
                 target=_run_rank,
-                args=(fn, rank, world_size, args, backend, store_path, results),
+                args=(fn, rank, world_size, args, backend, store_path, results, method == "fork"),
                 daemon=True,
             )
             for rank in range(world_size)
