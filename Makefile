@@ -67,6 +67,8 @@ demo-lm: $(STAMP)
 	@echo "== lm_training: tiny Llama on the stdlib corpus, seed-002 data answers (quick)"
 	$(PY) lm_training/train.py --quick --cache $(RUNS)/cache/lm --out $(RUNS)/lm_training
 	$(PY) lm_training/data_deliverables.py --quick --cache $(RUNS)/cache/lm --out $(RUNS)/lm_training
+	$(PY) lm_training/speedup_stages.py --quick --cache $(RUNS)/cache/lm --out $(RUNS)/lm_training
+	$(PY) lm_training/layer_norm_benchmark.py --quick --out $(RUNS)/lm_training
 
 # Executed copies + HTML of every reports/*.ipynb against the demo's fresh logs.
 reports: $(STAMP)

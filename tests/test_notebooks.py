@@ -99,7 +99,7 @@ def test_committed_results_are_run_logs_named_by_what_they_measure():
         assert not re.search(r"session|stop[0-9_]|round[0-9_]|_[0-9a-f]{7}\b", name, re.I), (
             f"{name}: named after when it was made"
         )
-        if path.parent.name == "traces":  # profiler traces the reports plot
+        if "traces" in path.relative_to(REPORTS / "results").parts[:-1]:  # profiler traces
             assert name.endswith((".json", ".json.gz")), f"{name}: traces are trace-event JSON"
             opener = gzip.open if path.suffix == ".gz" else open
             with opener(path, "rt") as f:
