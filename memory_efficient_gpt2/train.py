@@ -7,9 +7,16 @@ bf16 working weights on the GPU, fp32 master weights and Adam moments on the CPU
     python memory_efficient_gpt2/train.py --device cuda --baseline          # fwd+bwd: HF, and ours
     python memory_efficient_gpt2/train.py --device cuda --steps 8           # training corpus
     python memory_efficient_gpt2/train.py --device cuda --fixed-batch --steps 30
+    python memory_efficient_gpt2/train.py --device cuda --level 3 --steps 8   # GPT-2-XL, 11 GiB
 
 ``--checkpoint-layers -1`` checkpoints the fewest blocks whose estimated memory
 (effdl.profiling.memory_budget, with the activation bytes measured on the GPU) fits the cap.
+``--moments int8`` keeps the Adam moments block-wise 8-bit on the host; ``--update-on device``
+runs that 8-bit step on the GPU, bucket by bucket. ``--level`` names the GPT-2-XL presets
+(:data:`LEVELS`); flags given beside it win. Past ``--memory-cap-gib`` (peak GPU memory) or
+``--host-memory-cap-gib`` (the process's resident set, pinned buffers included, sampled after
+set-up and after every step) the run stops with :class:`MemoryCapExceeded` before that step's
+record is written.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import functools
 import json
 import math
 import os
+import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,11 +59,17 @@ from effdl.models.gpt2 import (
     lm_loss,
 )
 from effdl.optim import CPUOffloadAdam
-from effdl.optim.offload import GRAD_ACCUMULATION_MODES
+from effdl.optim.offload import (
+    DEVICE_BUCKETS_IN_FLIGHT,
+    DEVICE_CHUNK_BLOCKS,
+    GRAD_ACCUMULATION_MODES,
+    MOMENT_FORMATS,
+    UPDATE_LOCATIONS,
+)
+from effdl.optim.quantized_state import BLOCK_SIZE, num_blocks, quantized_nbytes
 from effdl.profiling.memory_budget import (
     ACT_BYTES_PER_TOKEN_LAYER,
     fewest_checkpointed_blocks,
-    host_budget,
     memory_budget,
 )
 from effdl.profiling.timing import GIB, benchmark
@@ -69,6 +84,23 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")  # fmt: skip
 TABLE_COLUMNS = ("step", "loss", "seq_per_s", "peak_gib", "host_rss_gib", "gpu_compute_s",
                  "d2h_s", "h2d_s", "cpu_update_s", "step_wait_s")  # fmt: skip
+BUCKET_NUMEL = 2**25  # parameters per optimizer bucket (a larger tensor gets its own)
+# update_on="device": bytes of the 8-bit step's temporaries per value of a chunk (offload module)
+DEVICE_STEP_BYTES_PER_VALUE = 40
+
+# GPT-2-XL presets, sugar over the flags (flags given beside --level win). Level 2 runs level 1's
+# configuration: its target is the speed against the --baseline run.
+LEVEL_1 = {"size": "xl", "memory_cap_gib": 16.0, "moments": "fp32", "update_on": "host"}
+LEVELS: dict[int, dict] = {
+    1: LEVEL_1,
+    2: LEVEL_1,
+    3: {"size": "xl", "memory_cap_gib": 11.0, "host_memory_cap_gib": 16.0, "moments": "int8",
+        "update_on": "device", "grad_accumulation": "gpu"},
+}  # fmt: skip
+
+
+class MemoryCapExceeded(RuntimeError):
+    """A measured peak passed ``--memory-cap-gib`` or ``--host-memory-cap-gib``."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +118,10 @@ class TrainConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     memory_cap_gib: float = 11.0
+    host_memory_cap_gib: float | None = None  # None: no cap on the host's resident set
+    moments: str = "fp32"
+    update_on: str = "host"
+    level: int | None = None  # the LEVELS preset the flags started from (recorded, not read)
     chunk_tokens: int = 1024
     cpu_threads: int | None = None  # None: all cores but two
     size: str = "large"
@@ -98,6 +134,12 @@ class TrainConfig:
     def validate(self) -> None:
         require_choices(self, "size", sorted(SHAPES))
         require_choices(self, "grad_accumulation", GRAD_ACCUMULATION_MODES)
+        require_choices(self, "moments", MOMENT_FORMATS)
+        require_choices(self, "update_on", UPDATE_LOCATIONS)
+        if self.update_on == "device" and self.moments != "int8":
+            raise UsageError(
+                "--update-on device runs the 8-bit Adam step on the GPU: it needs --moments int8"
+            )
         require_positive(
             self, "steps", "batch", "seq", "micro_batch", "chunk_tokens", "baseline_micro_batches"
         )
@@ -106,6 +148,8 @@ class TrainConfig:
             require_positive(self, "cpu_threads")
         if not self.memory_cap_gib > 0:
             raise UsageError(f"--memory-cap-gib must be > 0, got {self.memory_cap_gib}")
+        if self.host_memory_cap_gib is not None and not self.host_memory_cap_gib > 0:
+            raise UsageError(f"--host-memory-cap-gib must be > 0, got {self.host_memory_cap_gib}")
         shape = SHAPES[self.size]
         if not -1 <= self.checkpoint_layers <= shape.n_layer:
             raise UsageError(
@@ -162,7 +206,24 @@ def parse_args() -> tuple[argparse.Namespace, TrainConfig]:
     flags.add("grad_accumulation", choices=GRAD_ACCUMULATION_MODES)
     flags.add("lr", type=float)
     flags.add("weight_decay", type=float)
-    flags.add("memory_cap_gib", type=float)
+    flags.add("memory_cap_gib", type=float, help="peak GPU memory allowed")
+    flags.add(
+        "host_memory_cap_gib",
+        type=float,
+        help="resident set allowed to the process (pinned buffers included); None = no cap",
+    )
+    flags.add("moments", choices=MOMENT_FORMATS, help="Adam moments on the host")
+    flags.add(
+        "update_on",
+        choices=UPDATE_LOCATIONS,
+        help="where the Adam step runs; device needs --moments int8 and CUDA",
+    )
+    flags.add(
+        "level",
+        type=int,
+        choices=sorted(LEVELS),
+        help="GPT-2-XL preset: " + "; ".join(f"{n}: {preset}" for n, preset in LEVELS.items()),
+    )
     flags.add("chunk_tokens", type=int, help="tokens per loss chunk")
     flags.add("cpu_threads", type=int, help="threads of the CPU update; None = cores - 2")
     flags.add("size", choices=sorted(SHAPES))
@@ -170,7 +231,18 @@ def parse_args() -> tuple[argparse.Namespace, TrainConfig]:
     flags.add("data", type=Path, help="text file (e.g. wiki.train.raw); None = synthetic")
     flags.add("baseline_micro_batches", type=int, nargs="+")
     args = p.parse_args()
+    apply_level(args)
     return args, flags.resolve(args)
+
+
+def apply_level(args: argparse.Namespace) -> None:
+    """Give ``args`` the ``--level`` preset's value of every flag the user did not give (the
+    config flags default to absent, so the preset then reads as if typed)."""
+    if getattr(args, "level", None) is None:
+        return
+    for name, value in LEVELS[args.level].items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -422,13 +494,16 @@ def measure_activation_bytes(
     return held / (cfg.seq * model.config.n_layer)
 
 
-def pick_checkpoint_layers(cfg: TrainConfig, n_params: int, act_bytes: float | None) -> int:
-    """``--checkpoint-layers`` if given, else the fewest blocks whose estimate fits the cap."""
+def pick_checkpoint_layers(
+    cfg: TrainConfig, n_params: int, act_bytes: float | None, scratch_gib: float
+) -> int:
+    """``--checkpoint-layers`` if given, else the fewest blocks whose estimate fits the cap
+    less ``scratch_gib`` (the device update's buffers, which the estimate does not hold)."""
     if cfg.checkpoint_layers >= 0:
         return cfg.checkpoint_layers
     n = fewest_checkpointed_blocks(
         SHAPES[cfg.size], n_params, cfg.micro_batch, cfg.seq, cfg.grad_accumulation,
-        cfg.memory_cap_gib, cfg.chunk_tokens, act_bytes_per_token_layer=act_bytes,
+        cfg.memory_cap_gib - scratch_gib, cfg.chunk_tokens, act_bytes_per_token_layer=act_bytes,
     )  # fmt: skip
     if n is None:
         raise UsageError(
@@ -452,34 +527,128 @@ def run_config(cfg: TrainConfig, n_params: int, ckpt: int, threads: int) -> dict
         "lr": cfg.lr,
         "cpu_threads": threads,
         "memory_cap_gib": cfg.memory_cap_gib,
+        "host_memory_cap_gib": cfg.host_memory_cap_gib,
+        "moments": cfg.moments,
+        "update_on": cfg.update_on,
+        "level": cfg.level,
         "chunk_tokens": cfg.chunk_tokens,
         "data": str(cfg.data) if cfg.data else "synthetic",
         "pretrained": cfg.model_path is not None,
     }
 
 
+def largest_buckets(param_numels: list[int]) -> list[int]:
+    """Upper bounds of the :data:`DEVICE_BUCKETS_IN_FLIGHT` largest optimizer buckets: a tensor
+    larger than :data:`BUCKET_NUMEL` gets a bucket of its own, the others share full ones."""
+    biggest = sorted(param_numels, reverse=True)[:DEVICE_BUCKETS_IN_FLIGHT]
+    return [max(BUCKET_NUMEL, n) for n in biggest]
+
+
+def device_update_scratch_bytes(buckets: list[int], grad_accumulation: str) -> int:
+    """Device bytes ``update_on="device"`` adds at most (the offload module's count): the
+    scratch of the buckets in flight, ``buckets`` values each (fp32 masters, int8 moments with
+    their absmaxes, fp32 gradients when they come from the host), and the temporaries of one
+    chunk of the 8-bit step."""
+    per_value = 4 + 2 + (4 if grad_accumulation == "cpu" else 0)
+    scratch = sum(n * per_value + 2 * num_blocks(n) * 4 for n in buckets)
+    return scratch + DEVICE_STEP_BYTES_PER_VALUE * DEVICE_CHUNK_BLOCKS * BLOCK_SIZE
+
+
+def state_placement(n_params: int, buckets: list[int], cfg: TrainConfig) -> list[dict]:
+    """What the training state is, where it lives and its bytes, as the optimizer allocates it
+    on a CUDA run (``n_params`` parameters; alignment padding left out): one row per buffer
+    with ``state``, ``where`` (gpu or host), ``dtype``, ``bytes``."""
+    n = n_params
+    int8 = cfg.moments == "int8"
+    on_device = cfg.update_on == "device"
+    gpu_accumulates = cfg.grad_accumulation == "gpu"
+    moment_dtype, moment_bytes = (
+        ("uint8 + fp32 absmax", quantized_nbytes(n)) if int8 else ("fp32", 4 * n)
+    )
+    rows = [
+        ("working_weights", "gpu", "bf16", 2 * n),
+        ("master_weights", "host", "fp32", 4 * n),
+        ("exp_avg", "host", moment_dtype, moment_bytes),
+        ("exp_avg_sq", "host", moment_dtype, moment_bytes),
+        ("grad_accumulation", "gpu", "fp32", 4 * n if gpu_accumulates else 0),
+        ("grad", "host", "fp32", 0 if on_device and gpu_accumulates else 4 * n),
+        ("grad_stage", "host", "bf16", 0 if gpu_accumulates else 2 * n),
+        ("weight_stage", "host", "bf16", 0 if on_device else 2 * n),
+        ("device_update_scratch", "gpu", "fp32 + uint8",
+         device_update_scratch_bytes(buckets, cfg.grad_accumulation) if on_device else 0),
+    ]  # fmt: skip
+    return [{"state": s, "where": w, "dtype": d, "bytes": b} for s, w, d, b in rows if b]
+
+
+def placed_gib(state: list[dict], where: str) -> float:
+    """GiB of the ``state_placement`` rows that live ``where``."""
+    return sum(r["bytes"] for r in state if r["where"] == where) / GIB
+
+
+def scratch_gib(state: list[dict]) -> float:
+    """GiB of the device update's scratch among the ``state_placement`` rows (0 without it)."""
+    return sum(r["bytes"] for r in state if r["state"] == "device_update_scratch") / GIB
+
+
 def log_budget(
-    log: RunLog, cfg: TrainConfig, config: dict, static_gib: float, act_bytes: float | None
-) -> None:
-    """The ``memory_budget`` record: estimated GPU and host GiB beside what was measured."""
+    log: RunLog,
+    cfg: TrainConfig,
+    config: dict,
+    state: list[dict],
+    measured: dict[str, float],
+    act_bytes: float | None,
+) -> dict:
+    """The ``memory_budget`` record: the state's placement, the GPU estimate (with the device
+    update's scratch) and the host state, beside what was measured after set-up; returns its
+    metrics."""
     n_params, ckpt = config["n_params"], config["checkpoint_layers"]
     gpu = memory_budget(
         SHAPES[cfg.size], n_params, cfg.micro_batch, cfg.seq, ckpt,
         cfg.grad_accumulation, cfg.chunk_tokens, act_bytes_per_token_layer=act_bytes,
     )  # fmt: skip
-    host = host_budget(n_params, cfg.grad_accumulation)
-    log.log(
-        "memory_budget",
-        config,
-        {
-            **{f"gpu_{k}_gib": v for k, v in gpu.items()},
-            **{f"host_{k}_gib": v for k, v in host.items()},
-            "measured_static_gib": static_gib,
-            "measured_act_bytes_per_token_layer": act_bytes if act_bytes else math.nan,
-            "estimated_act_bytes_per_token_layer": ACT_BYTES_PER_TOKEN_LAYER
-            * SHAPES[cfg.size].n_embd,
-        },
-    )
+    gpu = {
+        **gpu,
+        "device_update_scratch": scratch_gib(state),
+        "total": gpu["total"] + scratch_gib(state),
+    }
+    metrics = {
+        **{f"gpu_{k}_gib": v for k, v in gpu.items()},
+        **{f"host_{r['state']}_gib": r["bytes"] / GIB for r in state if r["where"] == "host"},
+        "host_total_gib": placed_gib(state, "host"),
+        "state": state,
+        **measured,
+        "measured_act_bytes_per_token_layer": act_bytes if act_bytes else math.nan,
+        "estimated_act_bytes_per_token_layer": ACT_BYTES_PER_TOKEN_LAYER * SHAPES[cfg.size].n_embd,
+    }
+    log.log("memory_budget", config, metrics)
+    return metrics
+
+
+def host_rss_gib() -> float:
+    """The process's resident set now (pinned host buffers included), in GiB."""
+    return psutil.Process().memory_info().rss / GIB
+
+
+def host_rss_high_water_gib() -> float:
+    """The kernel's high-water mark of the process's resident set since it started, in GiB
+    (it also sees the peaks between two samples of :func:`host_rss_gib`)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB  # bytes vs KiB
+
+
+def check_memory_caps(cfg: TrainConfig, when: str, peak_gib: float, rss_gib: float) -> None:
+    """Raise :class:`MemoryCapExceeded` naming the cap and the measurement if GPU peak
+    (``nan`` off CUDA) or host resident set passed its cap."""
+    if peak_gib > cfg.memory_cap_gib:
+        raise MemoryCapExceeded(
+            f"{when}: peak GPU memory {peak_gib:.3f} GiB (torch.cuda.max_memory_allocated) "
+            f"exceeds --memory-cap-gib {cfg.memory_cap_gib}"
+        )
+    cap = cfg.host_memory_cap_gib
+    if cap is not None and rss_gib > cap:
+        raise MemoryCapExceeded(
+            f"{when}: host resident set {rss_gib:.3f} GiB exceeds --host-memory-cap-gib {cap}"
+        )
 
 
 def train_step(
@@ -514,22 +683,24 @@ def train_step(
         "step_s": wall,
         "seq_per_s": cfg.batch / wall,
         "peak_gib": peak_gib,
-        "host_rss_gib": psutil.Process().memory_info().rss / GIB,
+        "host_rss_gib": host_rss_gib(),
         **{f"{kind}_s": totals.get(kind, 0.0) for kind in TIMELINE_KINDS},
     }
 
 
 def run_offload(
     cfg: TrainConfig, batches: list[torch.Tensor], device: torch.device, log: RunLog
-) -> list[dict]:
-    """Train on ``batches`` with CPUOffloadAdam under the memory cap; one record per step, then
-    a summary."""
+) -> tuple[list[dict], dict]:
+    """Train on ``batches`` with CPUOffloadAdam under the memory caps; one record per step,
+    then a summary (returns the step metrics and the summary's). Both caps are checked after set-up (before any record) and after every
+    step (before its record): past one, :class:`MemoryCapExceeded`."""
     cuda = device.type == "cuda"
     if cuda:
         set_memory_cap(device, cfg.memory_cap_gib)
     threads = resolve_cpu_threads(cfg.cpu_threads)
     model = load_model(cfg).train()
     n_params = count_params(model)
+    buckets = largest_buckets([p.numel() for p in model.parameters()])
     opt = CPUOffloadAdam(
         model.parameters(),
         lr=cfg.lr,
@@ -537,43 +708,67 @@ def run_offload(
         device=device,
         working_dtype=torch.bfloat16,
         grad_accumulation=cfg.grad_accumulation,
+        bucket_numel=BUCKET_NUMEL,
         num_threads=threads,
+        moments=cfg.moments,
+        update_on=cfg.update_on,
     )
     model.to(device)  # buffers; parameters are already bf16 working copies on the device
     static_gib = torch.cuda.memory_allocated(device) / GIB if cuda else math.nan
     act_bytes = measure_activation_bytes(model, opt, device, cfg) if cuda else None
-    ckpt = pick_checkpoint_layers(cfg, n_params, act_bytes)
+    setup_peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else math.nan
+    rss_peak = host_rss_gib()
+    check_memory_caps(cfg, "after set-up", setup_peak, rss_peak)
+    state = state_placement(n_params, buckets, cfg)
+    ckpt = pick_checkpoint_layers(cfg, n_params, act_bytes, scratch_gib(state))
     checkpoint_blocks(model, ckpt)
     opt.timeline.enabled = True
     config = run_config(cfg, n_params, ckpt, threads)
-    log_budget(log, cfg, config, static_gib, act_bytes)
+    measured = {
+        "measured_static_gib": static_gib,
+        "measured_setup_host_rss_gib": rss_peak,
+        "measured_moment_gib": opt.moment_nbytes() / GIB,
+    }
+    budget = log_budget(log, cfg, config, state, measured, act_bytes)
     variant = "fixed_batch" if cfg.fixed_batch else "corpus"
     rows = []
     for step, batch in enumerate(tqdm(batches, desc=variant, unit="step")):
         metrics = {"step": step, **train_step(model, opt, batch, cfg, device)}
-        if metrics["peak_gib"] > cfg.memory_cap_gib:
-            raise RuntimeError(
-                f"step {step}: peak GPU memory {metrics['peak_gib']:.3f} GiB exceeds the "
-                f"{cfg.memory_cap_gib} GiB cap"
-            )
+        rss_peak = max(rss_peak, metrics["host_rss_gib"])
+        metrics["host_rss_peak_gib"] = rss_peak
+        check_memory_caps(cfg, f"step {step}", metrics["peak_gib"], metrics["host_rss_gib"])
         if step == len(batches) - 1:
             metrics["timeline"] = opt.timeline.spans()
         log.log(variant, config, metrics)
         rows.append(metrics)
     opt.close()
-    log.log(f"{variant}_summary", config, summarize(rows, cfg.fixed_batch))
-    return rows
+    summary = summarize(rows, cfg.fixed_batch, budget)
+    log.log(f"{variant}_summary", config, summary)
+    return rows, summary
 
 
-def summarize(rows: list[dict], fixed_batch: bool) -> dict:
-    """Median speed past the first step (it pays the warm-up), peak memory, loss drop."""
+def median(values: list[float]) -> float:
+    """The upper median (a measured value, not an average of two)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def summarize(rows: list[dict], fixed_batch: bool, budget: dict) -> dict:
+    """Median speed and step time split past the first step (it pays the warm-up), peak GPU
+    memory and host resident set beside the budget's totals, loss drop."""
     timed = rows[1:] or rows
-    speeds = sorted(r["seq_per_s"] for r in timed)
     first, last = rows[0]["loss"], rows[-1]["loss"]
     metrics = {
         "steps": len(rows),
-        "seq_per_s_median": speeds[len(speeds) // 2],
+        "seq_per_s_median": median([r["seq_per_s"] for r in timed]),
+        "step_s_median": median([r["step_s"] for r in timed]),
+        **{f"{k}_s_median": median([r[f"{k}_s"] for r in timed]) for k in TIMELINE_KINDS},
         "peak_gib_max": max(r["peak_gib"] for r in rows),
+        "gpu_budget_gib": budget["gpu_total_gib"],
+        "host_rss_peak_gib": rows[-1]["host_rss_peak_gib"],
+        "host_rss_high_water_gib": host_rss_high_water_gib(),
+        "host_budget_gib": budget["host_total_gib"],
+        "state": budget["state"],
         "loss_first": first,
         "loss_last": last,
         "loss_drop": 1.0 - last / first,
@@ -589,13 +784,25 @@ def main() -> None:
     model_config = check_model_folder(cfg) or gpt2_config(cfg.size)
     batches = None if cfg.baseline else make_batches(cfg, model_config.vocab_size, args.seed)
     run = start_run(args, task=TASK, logs="gpt2.jsonl")
+    if cfg.update_on == "device" and run.device.type != "cuda" and not cfg.baseline:
+        raise UsageError(
+            f"--update-on device runs the 8-bit Adam step on the GPU: it needs --device cuda "
+            f"(this run is on {run.device})"
+        )
     if cfg.baseline:
         rows = run_baseline(cfg, run.device, run.log)
         print_table(rows, title=f"Baseline fwd+bwd on {run.where} (log: {run.log.path})")
         return
-    rows = run_offload(cfg, batches, run.device, run.log)
+    rows, summary = run_offload(cfg, batches, run.device, run.log)
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]
     print_table(table, title=f"CPU-offloaded Adam on {run.where} (log: {run.log.path})")
+    state = [{**r, "gib": r["bytes"] / GIB} for r in summary["state"]]
+    print_table(state, title="Training state: where it lives (computed)")
+    print(
+        f"GPU: peak {summary['peak_gib_max']:.3f} GiB measured, {summary['gpu_budget_gib']:.3f} "
+        f"GiB estimated; host: resident set peak {summary['host_rss_peak_gib']:.3f} GiB "
+        f"measured, state {summary['host_budget_gib']:.3f} GiB computed"
+    )
     if cfg.fixed_batch:
         drop = 1.0 - rows[-1]["loss"] / rows[0]["loss"]
         print(f"fixed batch: loss fell by {drop:.1%} in {len(rows)} steps (target >= 50%)")

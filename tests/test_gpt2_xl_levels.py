@@ -1,0 +1,159 @@
+"""memory_efficient_gpt2/train.py's GPT-2-XL flags: --moments / --update-on validated in one
+line, the --level presets resolved under the flags given beside them, the host and GPU memory
+caps failing loudly before a record, and the summary's budget beside the measured peaks."""
+
+import dataclasses
+import sys
+
+import pytest
+
+from effdl.cli import run_main
+from effdl.optim.quantized_state import quantized_nbytes
+from effdl.results import read_records
+from tests.script_loading import load_script
+
+train = load_script("memory_efficient_gpt2", "train")
+
+XL_PARAMS = 1_557_611_200
+XL_WTE = 50257 * 1600
+
+
+def run_train(argv, out, monkeypatch, capsys) -> tuple[int, list[str]]:
+    """``train.py --quick ARGV --out OUT`` in this process: (exit code, stderr lines)."""
+    monkeypatch.setattr(sys, "argv", ["train.py", "--quick", *argv, "--out", str(out)])
+    with pytest.raises(SystemExit) as e:
+        run_main(train.main)
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def parsed(argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    return train.parse_args()[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--update-on", "device"], "--update-on device runs the 8-bit Adam step on the GPU: "
+         "it needs --moments int8"),
+        (["--moments", "int8", "--update-on", "device"], "--update-on device runs the 8-bit "
+         "Adam step on the GPU: it needs --device cuda (this run is on cpu)"),
+        (["--host-memory-cap-gib", "0"], "--host-memory-cap-gib must be > 0, got 0.0"),
+        (["--level", "3", "--size", "tiny"], "--update-on device runs the 8-bit Adam step on "
+         "the GPU: it needs --device cuda"),
+    ],
+)  # fmt: skip
+def test_device_update_needs_int8_and_cuda(argv, message, tmp_path, monkeypatch, capsys):
+    code, err = run_train(argv, tmp_path / "out", monkeypatch, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("train.py: error: " + message), err
+    log = tmp_path / "out" / "gpt2.jsonl"
+    assert not log.exists() or not read_records(log)
+
+
+def test_level_presets_resolve_as_stated_and_given_flags_win(monkeypatch):
+    plain = parsed([], monkeypatch)
+    assert (plain.level, plain.moments, plain.update_on, plain.host_memory_cap_gib) == (
+        None, "fp32", "host", None,
+    )  # fmt: skip
+    level_1 = parsed(["--level", "1"], monkeypatch)
+    expected_1 = {"size": "xl", "memory_cap_gib": 16.0, "moments": "fp32", "update_on": "host",
+                  "host_memory_cap_gib": None, "level": 1}  # fmt: skip
+    assert {k: getattr(level_1, k) for k in expected_1} == expected_1
+    level_2 = parsed(["--level", "2"], monkeypatch)
+    assert level_2 == dataclasses.replace(level_1, level=2)
+    level_3 = parsed(["--level", "3"], monkeypatch)
+    expected_3 = {"size": "xl", "memory_cap_gib": 11.0, "host_memory_cap_gib": 16.0,
+                  "moments": "int8", "update_on": "device", "grad_accumulation": "gpu"}  # fmt: skip
+    assert {k: getattr(level_3, k) for k in expected_3} == expected_3
+    given = parsed(["--level", "3", "--memory-cap-gib", "12", "--update-on", "host"], monkeypatch)
+    assert (given.memory_cap_gib, given.update_on, given.moments) == (12.0, "host", "int8")
+    assert (given.batch, given.seq) == (64, 1024)  # 64 x 1024 tokens per step
+
+
+def test_state_placement_of_level_3_keeps_the_host_under_16_gib():
+    cfg = parsed_level(3)
+    buckets = train.largest_buckets([XL_WTE, 1024 * 1600, 1600 * 6400, 3])
+    assert buckets == [XL_WTE, train.BUCKET_NUMEL]
+    state = {r["state"]: r for r in train.state_placement(XL_PARAMS, buckets, cfg)}
+    assert set(state) == {"working_weights", "master_weights", "exp_avg", "exp_avg_sq",
+                          "grad_accumulation", "device_update_scratch"}  # fmt: skip
+    assert state["exp_avg"]["bytes"] == quantized_nbytes(XL_PARAMS)
+    assert (state["master_weights"]["where"], state["grad_accumulation"]["where"]) == (
+        "host",
+        "gpu",
+    )
+    host = train.placed_gib(list(state.values()), "host")
+    assert host == pytest.approx((4 * XL_PARAMS + 2 * quantized_nbytes(XL_PARAMS)) / 2**30)
+    assert host < 16
+    fp32 = train.state_placement(XL_PARAMS, buckets, parsed_level(1))
+    assert train.placed_gib(fp32, "host") == pytest.approx(18 * XL_PARAMS / 2**30)
+
+
+def parsed_level(level: int):
+    return train.TrainConfig(**{**train.LEVELS[level], "level": level})
+
+
+def test_host_cap_below_the_resident_set_fails_loudly_before_any_record(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(
+        sys, "argv",
+        ["train.py", "--quick", "--host-memory-cap-gib", "0.01", "--out", str(tmp_path)],
+    )  # fmt: skip
+    with pytest.raises(train.MemoryCapExceeded, match=r"after set-up: host resident set "
+                       r"\d+\.\d{3} GiB exceeds --host-memory-cap-gib 0\.01"):  # fmt: skip
+        train.main()
+    assert read_records(tmp_path / "gpt2.jsonl") == []
+
+
+def test_caps_are_checked_against_the_measured_peaks():
+    cfg = train.TrainConfig(memory_cap_gib=11.0, host_memory_cap_gib=16.0)
+    train.check_memory_caps(cfg, "step 3", 10.9, 15.9)
+    train.check_memory_caps(cfg, "step 3", float("nan"), 15.9)  # no GPU: nothing to check
+    with pytest.raises(train.MemoryCapExceeded, match=r"step 3: peak GPU memory 11\.200 GiB"):
+        train.check_memory_caps(cfg, "step 3", 11.2, 1.0)
+    with pytest.raises(train.MemoryCapExceeded, match=r"16\.500 GiB exceeds --host-memory-cap-gib"):
+        train.check_memory_caps(cfg, "step 3", 1.0, 16.5)
+
+
+def test_int8_run_records_the_budget_beside_the_measured_peaks(tmp_path, monkeypatch, capsys):
+    argv = ["--moments", "int8", "--steps", "2", "--host-memory-cap-gib", "64"]
+    code, _ = run_train(argv, tmp_path, monkeypatch, capsys)
+    assert code == 0
+    records = read_records(tmp_path / "gpt2.jsonl")
+    assert [r["variant"] for r in records] == [
+        "memory_budget",
+        "corpus",
+        "corpus",
+        "corpus_summary",
+    ]
+    budget, summary = records[0]["metrics"], records[-1]["metrics"]
+    assert records[-1]["config"]["moments"] == "int8" and records[-1]["config"]["level"] is None
+    n_params = records[-1]["config"]["n_params"]
+    assert budget["host_exp_avg_gib"] == pytest.approx(quantized_nbytes(n_params) / 2**30)
+    # the optimizer's moments, measured, are the computed ones plus alignment padding
+    assert budget["measured_moment_gib"] == pytest.approx(2 * budget["host_exp_avg_gib"], rel=0.05)
+    steps = records[1:3]
+    assert steps[1]["metrics"]["host_rss_peak_gib"] == max(
+        budget["measured_setup_host_rss_gib"], *(s["metrics"]["host_rss_gib"] for s in steps)
+    )
+    assert summary["host_rss_peak_gib"] == steps[1]["metrics"]["host_rss_peak_gib"]
+    assert summary["host_rss_high_water_gib"] >= summary["host_rss_peak_gib"]
+    assert summary["host_budget_gib"] == budget["host_total_gib"]
+    assert summary["state"] == budget["state"]
+    assert summary["step_s_median"] == steps[1]["metrics"]["step_s"]
+
+
+@pytest.mark.gpu
+def test_level_3_runs_on_cuda_within_both_caps(tmp_path, monkeypatch, capsys):
+    argv = ["--level", "3", "--size", "tiny", "--device", "cuda", "--steps", "3",
+            "--memory-cap-gib", "2", "--host-memory-cap-gib", "16"]  # fmt: skip
+    code, _ = run_train(argv, tmp_path, monkeypatch, capsys)
+    assert code == 0
+    summary = read_records(tmp_path / "gpt2.jsonl")[-1]
+    assert summary["variant"] == "corpus_summary"
+    assert summary["config"]["level"] == 3 and summary["config"]["update_on"] == "device"
+    assert 0 < summary["metrics"]["peak_gib_max"] <= 2
+    assert 0 < summary["metrics"]["host_rss_peak_gib"] <= 16
+    assert "device_update_scratch" in {r["state"] for r in summary["metrics"]["state"]}
