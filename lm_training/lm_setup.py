@@ -222,3 +222,17 @@ def measured_bf16_ceiling(gpu_name: str | None, folder: Path = CEILINGS) -> floa
         if rec["variant"] == "matmul_bf16" and rec["env"].get("gpu") == gpu_name
     ]
     return max(found) if found else None
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def select_attention(backend: str) -> None:
+    """Restrict ``F.scaled_dot_product_attention`` to one backend, process-wide ("auto": torch's
+    own choice). Set before the first forward, so compiled blocks trace with it."""
+    if backend == "auto":
+        return
+    torch.backends.cuda.enable_flash_sdp(backend == "flash")
+    torch.backends.cuda.enable_cudnn_sdp(backend == "cudnn")
+    torch.backends.cuda.enable_mem_efficient_sdp(backend == "efficient")
+    torch.backends.cuda.enable_math_sdp(backend == "math")

@@ -76,6 +76,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     fused_optimizer: bool = False
     compile: bool = False
+    attention: str = "auto"  # SDPA backend (lm_setup.ATTENTION_BACKENDS)
     dtype: str = "bf16"
     precision: str = "autocast"
     dataset: str = "iterable"
@@ -98,6 +99,7 @@ class TrainConfig:
     def validate(self) -> None:
         require_choices(self, "model", PRESETS)
         require_choices(self, "dtype", ("bf16", "fp32"))
+        require_choices(self, "attention", lm_setup.ATTENTION_BACKENDS)
         require_choices(self, "precision", ("autocast", "fsdp-mp"))
         require_choices(self, "dataset", ("iterable", "padded"))
         require_choices(self, "parallel", ("none", "ddp", "fsdp"))
@@ -193,6 +195,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("grad_clip", type=float, help="max gradient norm; 0 = off")
     flags.add("fused_optimizer", action="store_true", help="AdamW(fused=True)")
     flags.add("compile", action="store_true", help="torch.compile each block and the loss")
+    flags.add(
+        "attention", choices=lm_setup.ATTENTION_BACKENDS, help="SDPA backend; auto = torch's choice"
+    )
     flags.add("dtype", choices=["bf16", "fp32"], help="compute dtype; weights stay fp32")
     flags.add(
         "precision",
@@ -374,6 +379,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
     )
 
     # model, optimizer, compute mode
+    lm_setup.select_attention(cfg.attention)
     model = lm_setup.build_model(margs, d.device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.profile and not cfg.compile:

@@ -41,6 +41,7 @@ def test_presets_are_valid(preset):
     [
         ({"model": "huge"}, r"--model: unknown \['huge'\]"),
         ({"batch_size": 0}, "--batch-size must be >= 1"),
+        ({"attention": "fast"}, r"--attention: unknown \['fast'\]"),
         ({"min_lr": 1.0}, "--min-lr 1.0 is above --lr"),
         ({"precision": "fsdp-mp"}, "--precision fsdp-mp needs --parallel fsdp"),
         (
@@ -304,3 +305,20 @@ def test_layer_norm_benchmark_quick_logs_every_shape_and_refuses_bad_flags(tmp_p
                              capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and flag in lines[0], bad.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
+def test_attention_backend_gives_the_same_output_as_torch_chooses(backend):
+    """select_attention restricts SDPA to one backend; its output equals auto's (bf16 tolerance)."""
+    import lm_setup
+
+    q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    try:
+        lm_setup.select_attention(backend)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        for enable in ("flash", "cudnn", "mem_efficient", "math"):
+            getattr(torch.backends.cuda, f"enable_{enable}_sdp")(True)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
