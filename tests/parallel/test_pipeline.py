@@ -116,6 +116,12 @@ def test_split_sequential_cuts_consecutive_pieces():
 # -- the executor, 4 gloo processes ----------------------------------------------------------
 
 
+def single_threaded() -> None:
+    """One intra-op thread in a forked rank: if this test session ran a multi-threaded torch
+    kernel before the fork, the child's OpenMP pool is unusable and a parallel kernel hangs."""
+    torch.set_num_threads(1)
+
+
 def build_model(pieces: int) -> nn.Sequential:
     """``pieces`` Linear+Tanh blocks and a classifier, float64, the same weights on every rank."""
     torch.manual_seed(0)
@@ -144,6 +150,7 @@ def train_against_reference(
 ) -> dict:
     """Two optimizer steps through the pipeline and in one process; this rank's parameters of
     both, the losses of both, and the peak activations held in flight per step."""
+    single_threaded()
     reference = build_model(world * chunks)
     reference_opt = make_optimizer(optimizer, reference.parameters())
     pieces = split_sequential(build_model(world * chunks), world * chunks)
@@ -191,6 +198,7 @@ def test_training_steps_equal_single_process_training(schedule, chunks, micro_ba
 
 def refusals(rank: int, world: int) -> list[str]:
     """The error messages of misuse, in the order of ``test_misuse_is_refused_in_words``."""
+    single_threaded()
     messages = []
     with pytest.raises(ValueError) as e:
         PipelineStage(nn.Linear(2, 2), (rank + 1) % world, world)
