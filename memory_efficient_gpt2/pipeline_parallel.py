@@ -47,7 +47,7 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.parallel.launch import init_from_env, spawn
+from effdl.parallel.launch import spawn
 from effdl.parallel.pipeline import (
     SCHEDULES,
     PipelineStage,
@@ -56,6 +56,7 @@ from effdl.parallel.pipeline import (
     split_sequential,
 )
 
+Group = dist.ProcessGroup | None
 TASK = "parallelism"
 LOG = "pipeline_parallel.jsonl"
 BACKENDS = ("gloo", "nccl")
@@ -250,7 +251,9 @@ def share_cpu_threads(world: int, device: torch.device) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
-def train_rank(rank: int, world: int, cfg: PipelineConfig, device: torch.device) -> dict:
+def train_rank(
+    rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
+) -> dict:
     """Train through the pipeline; every rank returns its measurements (rank 0's has the
     losses)."""
     share_cpu_threads(world, device)
@@ -261,7 +264,7 @@ def train_rank(rank: int, world: int, cfg: PipelineConfig, device: torch.device)
     with PeakMemory(device) as memory:
         for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
             timed = step >= cfg.steps - cfg.timed_steps
-            dist.barrier()
+            dist.barrier(group=control)
             start = time.perf_counter()
             optimizer.zero_grad()
             loss = stage.run(
@@ -283,7 +286,9 @@ def train_rank(rank: int, world: int, cfg: PipelineConfig, device: torch.device)
     }
 
 
-def long_rank(rank: int, world: int, cfg: PipelineConfig, device: torch.device) -> dict:
+def long_rank(
+    rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
+) -> dict:
     """Peak memory and activations in flight at each micro-batch count (rows drawn with
     replacement, ``long_micro_batch_size`` per micro-batch)."""
     share_cpu_threads(world, device)
@@ -294,7 +299,7 @@ def long_rank(rank: int, world: int, cfg: PipelineConfig, device: torch.device) 
     for m in cfg.long_micro_batches:
         rows = torch.randint(0, len(x), (m * cfg.long_micro_batch_size,), generator=gen)
         xb, yb = x[rows].to(device), y[rows].to(device)
-        dist.barrier()
+        dist.barrier(group=control)
         start = time.perf_counter()
         with PeakMemory(device) as memory:
             for _ in range(cfg.long_steps):
@@ -313,28 +318,43 @@ def long_rank(rank: int, world: int, cfg: PipelineConfig, device: torch.device) 
     return {"counts": counts, "source": source}
 
 
-def rank_main(rank: int, world: int, cfg: PipelineConfig) -> dict:
-    """Entry of a rank started by :func:`spawn`: NCCL ranks take GPU ``rank % count``."""
+def control_group(backend: str) -> Group:
+    """The group of the barriers and of the results: a gloo group beside NCCL, which refuses
+    collectives over ranks that share a GPU (the pipeline itself only talks to neighbours)."""
+    return dist.new_group(backend="gloo") if backend == "nccl" else None
+
+
+def rank_result(
+    rank: int, world: int, cfg: PipelineConfig, local_rank: int, control: Group
+) -> dict:
+    """This rank's run. NCCL ranks take GPU ``local_rank % count``: round-robin, so 4 stages
+    on 2 GPUs put neighbouring stages on different GPUs."""
     device = torch.device("cpu")
     if cfg.backend == "nccl":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    return (long_rank if cfg.long else train_rank)(rank, world, cfg, device)
+    return (long_rank if cfg.long else train_rank)(rank, world, cfg, device, control)
+
+
+def spawned_rank(rank: int, world: int, cfg: PipelineConfig) -> dict:
+    """Entry of a rank started by :func:`spawn`."""
+    return rank_result(rank, world, cfg, rank, control_group(cfg.backend))
 
 
 def run_ranks(cfg: PipelineConfig) -> list[dict] | None:
     """Every rank's result (in the logging process), or None on a torchrun rank other than 0."""
     if "LOCAL_RANK" not in os.environ:
-        return spawn(rank_main, cfg.stages, cfg, backend=cfg.backend)
-    device = init_from_env(cfg.backend)
+        return spawn(spawned_rank, cfg.stages, cfg, backend=cfg.backend)
+    dist.init_process_group(cfg.backend)  # not init_from_env: GPUs are shared round-robin
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.stages:
         raise UsageError(f"torchrun started {world} processes for --stages {cfg.stages}")
-    result = (long_rank if cfg.long else train_rank)(rank, world, cfg, device)
-    gathered = [None] * world
-    dist.gather_object(result, gathered if rank == 0 else None, dst=0)
+    control = control_group(cfg.backend)
+    result = rank_result(rank, world, cfg, int(os.environ["LOCAL_RANK"]), control)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0, group=control)
     dist.destroy_process_group()
-    return gathered if rank == 0 else None
+    return gathered
 
 
 def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:

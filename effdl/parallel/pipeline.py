@@ -203,8 +203,11 @@ class PipelineStage:
     group if None). Every rank must construct its stage, in the same order relative to other
     group creations, with the same number of chunks: construction creates the link groups.
 
-    ``loss_fn(output, target)`` is applied on the last global stage. Single-tensor activations
-    only; integer inputs are fine on the first stage (no gradient flows into them).
+    ``loss_fn(output, target)`` (default cross-entropy) is applied on the last global stage.
+    Single-tensor activations only; integer inputs are fine on the first stage (no gradient
+    flows into them). All traffic is between neighbouring stages, in two-rank groups: under
+    NCCL several ranks may share a GPU provided neighbours (``r``, ``r + 1``) do not, since NCCL
+    refuses two ranks of one communicator on the same device.
     """
 
     def __init__(
@@ -236,9 +239,27 @@ class PipelineStage:
         # One group per direction of each link, created by every rank in the same order; the
         # wrap-around link (last rank -> rank 0) exists only for chunked (interleaved) stages.
         links = range(world) if len(self.chunks) > 1 else range(world - 1)
+        # Keys: the sending rank (activations go to rank + 1, gradients to rank - 1).
         self._act_groups = {s: self._pair(s, (s + 1) % world) for s in links}
         self._grad_groups = {(s + 1) % world: self._pair(s, (s + 1) % world) for s in links}
-        # keys: the sending rank (activations go to rank + 1, gradients to rank - 1)
+        self._connect(links)
+
+    def _connect(self, links: range) -> None:
+        """One message over every link, all ranks taking the links in the same order. NCCL
+        sets a group's communicator up at its first message, blocking both ranks until both
+        arrive; in a common order no two ranks wait for each other across links, whereas the
+        schedule's own first messages come in a different order on each rank."""
+        self._pending = []
+        token = torch.zeros(1, device=self.device)
+        for groups, step in ((self._act_groups, 1), (self._grad_groups, -1)):
+            for s in links:
+                src, dst = (s, (s + 1) % self.world) if step == 1 else ((s + 1) % self.world, s)
+                if self.rank == src:
+                    self._send(token, dst, groups[src])
+                elif self.rank == dst:
+                    self._recv(torch.empty_like(token), src, groups[src])
+        for work in self._pending:
+            work.wait()
 
     def _pair(self, a: int, b: int) -> dist.ProcessGroup:
         return dist.new_group([self._global[a], self._global[b]])
@@ -280,6 +301,16 @@ class PipelineStage:
         dtype, shape = self._recv_shapes[chunk]
         x = self._recv(torch.empty(shape, dtype=dtype, device=self.device), prev, group)
         return x.requires_grad_(x.is_floating_point())
+
+    def _relay_loss(self, loss: torch.Tensor) -> None:
+        """The last rank's loss handed down the gradient links to rank 0, so every rank returns
+        it. Point-to-point, not a broadcast: the run needs no collective over the whole group,
+        so under NCCL ranks may share a GPU as long as neighbouring stages do not."""
+        if self.rank < self.world - 1:
+            nxt = self.rank + 1
+            self._recv(loss, nxt, self._grad_groups[nxt])
+        if self.rank > 0:
+            self._send(loss, self.rank - 1, self._grad_groups[self.rank])
 
     def _prune_sends(self) -> None:
         """Drop the sends already completed, so their buffers are freed as the run goes."""
@@ -351,10 +382,10 @@ class PipelineStage:
             if record_timings:
                 stats.timings.append(ActionTiming(action, t0 - start, self._clock(True) - start))
             self._prune_sends()
+        self._relay_loss(loss_sum)
         for work in self._pending:
             work.wait()
         self._pending = []
-        dist.broadcast(loss_sum, self._global[last % self.world], group=self.group)
         stats.wall_s = self._clock(record_timings) - start
         stats.loss = loss_sum.item()
         self.last_stats = stats

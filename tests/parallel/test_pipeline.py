@@ -146,19 +146,30 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def train_against_reference(
-    rank: int, world: int, schedule: str, chunks: int, micro_batches: int, optimizer: str
+    rank: int,
+    world: int,
+    schedule: str,
+    chunks: int,
+    micro_batches: int,
+    optimizer: str,
+    device: str = "cpu",
 ) -> dict:
     """Two optimizer steps through the pipeline and in one process; this rank's parameters of
-    both, the losses of both, and the peak activations held in flight per step."""
+    both, the losses of both, and the peak activations held in flight per step. On CUDA, rank
+    ``r`` uses GPU ``r % count`` (neighbouring stages on different GPUs)."""
     single_threaded()
-    reference = build_model(world * chunks)
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    reference = build_model(world * chunks).to(device)
     reference_opt = make_optimizer(optimizer, reference.parameters())
-    pieces = split_sequential(build_model(world * chunks), world * chunks)
+    pieces = split_sequential(build_model(world * chunks).to(device), world * chunks)
     mine = [pieces[c * world + rank] for c in range(chunks)]
     stage = PipelineStage(mine if chunks > 1 else mine[0], rank, world)
     opt = make_optimizer(optimizer, [p for piece in mine for p in piece.parameters()])
     out = {"loss": [], "reference_loss": [], "peak": []}
     for x, y in batches():
+        x, y = x.to(device), y.to(device)
         reference_opt.zero_grad()
         loss = nn.functional.cross_entropy(reference(x), y)
         loss.backward()
@@ -169,9 +180,11 @@ def train_against_reference(
         out["reference_loss"].append(loss.item())
         out["peak"].append(stage.last_stats.peak_in_flight)
     reference_pieces = split_sequential(reference, world * chunks)
-    out["params"] = [p.detach() for piece in mine for p in piece.parameters()]
+    out["params"] = [p.detach().cpu() for piece in mine for p in piece.parameters()]
     out["reference_params"] = [
-        p.detach() for c in range(chunks) for p in reference_pieces[c * world + rank].parameters()
+        p.detach().cpu()
+        for c in range(chunks)
+        for p in reference_pieces[c * world + rank].parameters()
     ]
     return out
 
@@ -194,6 +207,19 @@ def test_training_steps_equal_single_process_training(schedule, chunks, micro_ba
         assert peaks == [micro_batches] * STAGES
     if schedule == "1f1b":
         assert peaks == [STAGES - r for r in range(STAGES)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="neighbouring stages need 2 GPUs")
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2)])
+def test_nccl_four_stages_on_shared_gpus_equal_single_process_training(schedule, chunks):
+    results = spawn(
+        train_against_reference, STAGES, schedule, chunks, 8, "adam", "cuda", backend="nccl"
+    )
+    for rank, got in enumerate(results):
+        for p, q in zip(got["params"], got["reference_params"], strict=True):
+            torch.testing.assert_close(p, q, **F64_TOL, msg=f"rank {rank}")
+        assert got["loss"] == pytest.approx(got["reference_loss"], rel=1e-12)
 
 
 def refusals(rank: int, world: int) -> list[str]:
