@@ -10,9 +10,11 @@ the gradients accumulated over all micro-batches equal those of the whole-batch 
 
 A schedule is a function giving each rank its list of :class:`Action` (forward or backward of
 one micro-batch on one chunk); :class:`PipelineStage` executes any such list. Sends never block
-(``isend``, waited before the run returns), a rank blocks only on the ``recv`` of an input it
-needs, so a schedule runs without deadlock when every rank's list respects the data
-dependencies (:func:`simulate` checks that without processes).
+(``isend``; each is waited only once a later message proves it was received: an activation
+when its gradient comes back, a gradient when the previous rank's next forward arrives), a
+rank blocks only on the ``recv`` of an input it needs, so a schedule runs without deadlock
+when every rank's list respects the data dependencies (:func:`simulate` checks that without
+processes), and 1F1B's memory stays bounded by the number of stages.
 
 Each direction of each link (activations ``r -> r+1``, gradients ``r+1 -> r``) has its own
 two-rank process group: messages in one group arrive in the order they were sent, and NCCL,
@@ -173,6 +175,7 @@ class RunStats:
 
     loss: float = float("nan")
     peak_in_flight: int = 0  # most micro-batches with forward done and backward not yet
+    peak_pending_sends: int = 0  # most sends posted and not yet known to be received
     wall_s: float = 0.0  # from the start of the run until every send of this rank completed
     timings: list[ActionTiming] = field(default_factory=list)
 
@@ -249,17 +252,16 @@ class PipelineStage:
         sets a group's communicator up at its first message, blocking both ranks until both
         arrive; in a common order no two ranks wait for each other across links, whereas the
         schedule's own first messages come in a different order on each rank."""
-        self._pending = []
+        self._unconfirmed, self._stats = {}, RunStats()
         token = torch.zeros(1, device=self.device)
         for groups, step in ((self._act_groups, 1), (self._grad_groups, -1)):
             for s in links:
                 src, dst = (s, (s + 1) % self.world) if step == 1 else ((s + 1) % self.world, s)
                 if self.rank == src:
-                    self._send(token, dst, groups[src])
+                    self._send(token, dst, groups[src], ("connect", step, s))
                 elif self.rank == dst:
                     self._recv(torch.empty_like(token), src, groups[src])
-        for work in self._pending:
-            work.wait()
+        self._wait_all_sends()
 
     def _pair(self, a: int, b: int) -> dist.ProcessGroup:
         return dist.new_group([self._global[a], self._global[b]])
@@ -273,23 +275,38 @@ class PipelineStage:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _send(self, x: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
-        self._pending.append(dist.isend(x.contiguous(), self._global[dst], group=group))
+    def _send(self, x: torch.Tensor, dst: int, group: dist.ProcessGroup, key: tuple) -> None:
+        """Post ``x`` to ``dst``; the send stays unconfirmed under ``key`` until waited."""
+        work = dist.isend(x.contiguous(), self._global[dst], group=group)
+        self._unconfirmed.setdefault(key, []).append(work)
+        pending = sum(map(len, self._unconfirmed.values()))
+        self._stats.peak_pending_sends = max(self._stats.peak_pending_sends, pending)
+
+    def _confirm(self, key: tuple) -> None:
+        """Wait on the sends under ``key``, known to be received (so the wait returns at once)
+        and release their buffers. Needed because a gloo send reports completion only when
+        waited: unwaited sends would pile up, and memory grow with the micro-batch count."""
+        for work in self._unconfirmed.pop(key, []):
+            work.wait()
+
+    def _wait_all_sends(self) -> None:
+        for key in list(self._unconfirmed):
+            self._confirm(key)
 
     def _recv(self, buf: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
         dist.recv(buf, self._global[src], group=group)
         return buf
 
-    def _send_activation(self, x: torch.Tensor, chunk: int) -> None:
+    def _send_activation(self, x: torch.Tensor, chunk: int, key: tuple) -> None:
         nxt = (self.rank + 1) % self.world
         group = self._act_groups[self.rank]
         if chunk not in self._headers_sent:
             header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
             header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
             header[2 : 2 + x.dim()] = torch.tensor(x.shape)
-            self._send(header, nxt, group)
+            self._send(header, nxt, group, key)
             self._headers_sent.add(chunk)
-        self._send(x, nxt, group)
+        self._send(x, nxt, group, key)
 
     def _recv_activation(self, chunk: int) -> torch.Tensor:
         prev = (self.rank - 1) % self.world
@@ -310,11 +327,18 @@ class PipelineStage:
             nxt = self.rank + 1
             self._recv(loss, nxt, self._grad_groups[nxt])
         if self.rank > 0:
-            self._send(loss, self.rank - 1, self._grad_groups[self.rank])
+            self._send(loss, self.rank - 1, self._grad_groups[self.rank], ("loss",))
 
-    def _prune_sends(self) -> None:
-        """Drop the sends already completed, so their buffers are freed as the run goes."""
-        self._pending = [w for w in self._pending if not w.is_completed()]
+    def _confirm_gradients(self, action: Action, prev_position: dict[Action, int]) -> None:
+        """The activation of ``action`` has arrived from the previous rank, sent by its forward
+        at ``prev_position``: every gradient that rank consumed (in a backward) before that
+        forward has been received, so those sends are confirmed."""
+        wrap = 1 if self.rank == 0 else 0  # rank 0's chunk c follows the last rank's c - 1
+        sent_at = prev_position[Action(FORWARD, action.micro_batch, action.chunk - wrap)]
+        for key in [k for k in self._unconfirmed if k[0] == BACKWARD]:
+            _, chunk, micro_batch = key
+            if prev_position[Action(BACKWARD, micro_batch, chunk - wrap)] < sent_at:
+                self._confirm(key)
 
     # -- execution --------------------------------------------------------------------------
 
@@ -338,13 +362,17 @@ class PipelineStage:
         if isinstance(schedule, str):
             schedule = SCHEDULES[schedule]
         actions = schedule(self.world, micro_batches, self.rank, len(self.chunks))
+        prev_actions = schedule(
+            self.world, micro_batches, (self.rank - 1) % self.world, len(self.chunks)
+        )
+        prev_position = {a: k for k, a in enumerate(prev_actions)}
         last = self.num_stages - 1
         inputs = self._split(batch, micro_batches, "batch") if self.rank == 0 else None
         targets = (
             self._split(target, micro_batches, "target") if self.rank == last % self.world else None
         )
-        stats = RunStats()
-        self._pending: list[dist.Work] = []
+        self._stats = stats = RunStats()
+        self._unconfirmed: dict[tuple, list[dist.Work]] = {}
         self._headers_sent: set[int] = set()
         self._recv_shapes: dict[int, tuple[torch.dtype, list[int]]] = {}
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -353,18 +381,18 @@ class PipelineStage:
         for action in actions:
             key, stage = (action.chunk, action.micro_batch), self._stage(action.chunk)
             if action.kind == FORWARD:
-                x = (
-                    inputs[action.micro_batch]
-                    if stage == 0
-                    else self._recv_activation(action.chunk)
-                )
+                if stage == 0:
+                    x = inputs[action.micro_batch]
+                else:
+                    x = self._recv_activation(action.chunk)
+                    self._confirm_gradients(action, prev_position)
                 t0 = self._clock(record_timings)
                 out = self.chunks[action.chunk](x)
                 if stage == last:
                     out = self.loss_fn(out, targets[action.micro_batch]) / micro_batches
                     loss_sum += out.detach()
                 else:
-                    self._send_activation(out.detach(), action.chunk)
+                    self._send_activation(out.detach(), action.chunk, (FORWARD, *key))
                 saved[key] = (x, out)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
             else:
@@ -374,18 +402,16 @@ class PipelineStage:
                     grad = torch.empty_like(out)
                     nxt = (self.rank + 1) % self.world
                     self._recv(grad, nxt, self._grad_groups[nxt])
+                    self._confirm((FORWARD, *key))  # the next stage used the activation
                 t0 = self._clock(record_timings)
                 torch.autograd.backward(out, grad)
                 if stage != 0:
                     prev = (self.rank - 1) % self.world
-                    self._send(x.grad, prev, self._grad_groups[self.rank])
+                    self._send(x.grad, prev, self._grad_groups[self.rank], (BACKWARD, *key))
             if record_timings:
                 stats.timings.append(ActionTiming(action, t0 - start, self._clock(True) - start))
-            self._prune_sends()
         self._relay_loss(loss_sum)
-        for work in self._pending:
-            work.wait()
-        self._pending = []
+        self._wait_all_sends()
         stats.wall_s = self._clock(record_timings) - start
         stats.loss = loss_sum.item()
         self.last_stats = stats

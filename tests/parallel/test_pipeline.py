@@ -209,6 +209,25 @@ def test_training_steps_equal_single_process_training(schedule, chunks, micro_ba
         assert peaks == [STAGES - r for r in range(STAGES)]
 
 
+def pending_sends(rank: int, world: int, micro_batch_counts: list[int]) -> list[int]:
+    """Most sends outstanding at once on this rank, per 1F1B run of each micro-batch count."""
+    single_threaded()
+    stage = PipelineStage(split_sequential(build_model(world), world)[rank], rank, world)
+    peaks = []
+    for m in micro_batch_counts:
+        x = torch.randn(2 * m, WIDTH, dtype=torch.float64)
+        stage.run(x, torch.zeros(2 * m, dtype=torch.long), m, "1f1b")
+        peaks.append(stage.last_stats.peak_pending_sends)
+    return peaks
+
+
+def test_one_f_one_b_outstanding_sends_do_not_grow_with_micro_batches():
+    """Each send is waited once a later message proves it arrived (gloo reports a send complete
+    only when waited), so buffers held for sends stay bounded, as the activations do."""
+    for rank, (few, many) in enumerate(spawn(pending_sends, STAGES, [8, 64])):
+        assert 0 < few == many <= 2 * STAGES, f"rank {rank}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="neighbouring stages need 2 GPUs")
 @pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2)])
