@@ -60,6 +60,7 @@ Group = dist.ProcessGroup | None
 TASK = "parallelism"
 LOG = "pipeline_parallel.jsonl"
 BACKENDS = ("gloo", "nccl")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class PipelineConfig:
     long_steps: int = 2
     backend: str = "gloo"
     data: Path | None = None
+    dtype: str = "float32"  # float64: curves that coincide over long runs (rounding not amplified)
     seed: int = 0  # from --seed: the model's weights and the data order, the same on every rank
 
     @property
@@ -91,6 +93,7 @@ class PipelineConfig:
     def validate(self) -> None:
         require_choices(self, "schedule", SCHEDULES)
         require_choices(self, "backend", BACKENDS)
+        require_choices(self, "dtype", DTYPES)
         require_positive(self, "micro_batches", "batch", "steps", "hidden", "virtual")
         require_positive(self, "long_micro_batches", "long_micro_batch_size", "long_steps")
         require_positive(self, "timed_steps", "lr", minimum=0)
@@ -137,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pipel
         help="gloo: CPU processes; nccl: GPUs (--device applies to --reference only)",
     )
     flags.add("data", type=Path, help="CIFAR-10 python batches folder (default: digits)")
+    flags.add("dtype", choices=sorted(DTYPES), help="parameters and activations")
     args = p.parse_args(argv)
     return args, flags.resolve(args)
 
@@ -236,7 +240,7 @@ def build_stage(cfg: PipelineConfig, rank: int, features: int, device: torch.dev
     """This rank's stage (the full model is built from the seed on every rank, then cut)."""
     torch.manual_seed(cfg.seed)
     pieces = cfg.stages * cfg.chunks
-    model = build_model(features, cfg.hidden, 10, pieces).to(device)
+    model = build_model(features, cfg.hidden, 10, pieces).to(device, DTYPES[cfg.dtype])
     cut = split_sequential(model, pieces)
     mine = [cut[c * cfg.stages + rank] for c in range(cfg.chunks)]
     stage = PipelineStage(mine if cfg.chunks > 1 else mine[0], rank, cfg.stages, device=device)
@@ -258,7 +262,7 @@ def train_rank(
     losses)."""
     share_cpu_threads(world, device)
     x, y, source = load_data(cfg)
-    x, y = x.to(device), y.to(device)
+    x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
     stage, optimizer = build_stage(cfg, rank, x.shape[1], device)
     steps, busy, walls = [], [], []
     with PeakMemory(device) as memory:
@@ -298,7 +302,7 @@ def long_rank(
     counts = []
     for m in cfg.long_micro_batches:
         rows = torch.randint(0, len(x), (m * cfg.long_micro_batch_size,), generator=gen)
-        xb, yb = x[rows].to(device), y[rows].to(device)
+        xb, yb = x[rows].to(device, DTYPES[cfg.dtype]), y[rows].to(device)
         dist.barrier(group=control)
         start = time.perf_counter()
         with PeakMemory(device) as memory:
@@ -360,9 +364,10 @@ def run_ranks(cfg: PipelineConfig) -> list[dict] | None:
 def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
     """The same model, data order and optimizer in one process, on whole batches."""
     x, y, source = load_data(cfg)
-    x, y = x.to(device), y.to(device)
+    x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
     torch.manual_seed(cfg.seed)
-    model = build_model(x.shape[1], cfg.hidden, 10, cfg.stages * cfg.chunks).to(device)
+    model = build_model(x.shape[1], cfg.hidden, 10, cfg.stages * cfg.chunks)
+    model = model.to(device, DTYPES[cfg.dtype])
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     steps = []
     for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
