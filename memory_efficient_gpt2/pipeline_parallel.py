@@ -1,0 +1,454 @@
+"""Pipeline-parallel training of an MLP digit classifier cut into stages (effdl.parallel.pipeline).
+
+One process per stage; the optimizer steps once per batch after all micro-batches, so the loss
+curve must coincide with ``--reference`` (the same model, seed and batches in one process).
+
+    python memory_efficient_gpt2/pipeline_parallel.py --quick                # CPU, 4 gloo processes
+    python memory_efficient_gpt2/pipeline_parallel.py --schedule gpipe --steps 300
+    python memory_efficient_gpt2/pipeline_parallel.py --reference            # one process
+    python memory_efficient_gpt2/pipeline_parallel.py --long                 # 10/100/1000 micro-batches
+    torchrun --nproc-per-node 4 memory_efficient_gpt2/pipeline_parallel.py --backend nccl
+
+Without ``torchrun`` the script starts its own ranks (effdl.parallel.launch.spawn); with
+``--backend nccl`` rank r uses GPU ``r % device_count`` (ranks may share a GPU). Per step: loss
+and step time; per run: the bubble fraction measured over the last ``--timed-steps`` steps
+(compute time per action against the step's wall time) beside the formula, the activations held
+in flight and the peak memory of every rank (RSS on CPU, ``max_memory_allocated`` on GPU).
+``--long`` runs ``--long-micro-batches`` counts of ``--long-micro-batch-size`` rows each and
+logs the peak memory at each count, which stays flat with 1F1B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+import torch._dynamo  # (optimizers import it, seconds: once here, not in every fork)
+import torch.distributed as dist
+from torch import nn
+
+from effdl.cli import (
+    ConfigFlags,
+    Run,
+    UsageError,
+    base_parser,
+    print_table,
+    require_choices,
+    require_positive,
+    run_main,
+    start_run,
+)
+from effdl.parallel.launch import spawn
+from effdl.parallel.pipeline import (
+    SCHEDULES,
+    PipelineStage,
+    bubble_fraction,
+    measured_bubble_fraction,
+    split_sequential,
+)
+
+Group = dist.ProcessGroup | None
+TASK = "parallelism"
+LOG = "pipeline_parallel.jsonl"
+BACKENDS = ("gloo", "nccl")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """One run: pipeline training (default), its single-process ``reference``, or ``long``."""
+
+    schedule: str = "1f1b"
+    stages: int = 4
+    virtual: int = 2  # chunks per rank of the interleaved schedule
+    micro_batches: int = 8
+    batch: int = 128
+    steps: int = 300
+    hidden: int = 256
+    lr: float = 0.01
+    timed_steps: int = 20
+    reference: bool = False
+    long: bool = False
+    long_micro_batches: tuple[int, ...] = (10, 100, 1000)
+    long_micro_batch_size: int = 4
+    long_steps: int = 2
+    backend: str = "gloo"
+    data: Path | None = None
+    dtype: str = "float32"  # float64: curves that coincide over long runs (rounding not amplified)
+    seed: int = 0  # from --seed: the model's weights and the data order, the same on every rank
+
+    @property
+    def chunks(self) -> int:
+        return self.virtual if self.schedule == "interleaved" else 1
+
+    def validate(self) -> None:
+        require_choices(self, "schedule", SCHEDULES)
+        require_choices(self, "backend", BACKENDS)
+        require_choices(self, "dtype", DTYPES)
+        require_positive(self, "micro_batches", "batch", "steps", "hidden", "virtual")
+        require_positive(self, "long_micro_batches", "long_micro_batch_size", "long_steps")
+        require_positive(self, "timed_steps", "lr", minimum=0)
+        require_positive(self, "stages", minimum=2)
+        if self.batch % self.micro_batches:
+            raise UsageError(
+                f"--batch {self.batch} is not a multiple of --micro-batches {self.micro_batches}"
+            )
+        if self.schedule == "interleaved":
+            counts = [self.micro_batches] + (list(self.long_micro_batches) if self.long else [])
+            if any(m % self.stages for m in counts):
+                raise UsageError(
+                    f"--schedule interleaved needs micro-batch counts {counts} to be multiples "
+                    f"of --stages {self.stages}"
+                )
+
+
+FULL = PipelineConfig()
+QUICK = PipelineConfig(
+    steps=12, batch=64, hidden=32, timed_steps=4, long_micro_batches=(10, 100), long_steps=1
+)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, PipelineConfig]:
+    p = base_parser(__doc__.splitlines()[0], default_out="runs/parallelism")
+    flags = ConfigFlags(p, FULL, QUICK)
+    flags.add("schedule", choices=sorted(SCHEDULES))
+    flags.add("stages", type=int, help="pipeline ranks (processes)")
+    flags.add("virtual", type=int, help="chunks per rank of the interleaved schedule")
+    flags.add("micro_batches", type=int, help="micro-batches per batch")
+    flags.add("batch", type=int, help="rows per optimizer step")
+    flags.add("steps", type=int, help="optimizer steps")
+    flags.add("hidden", type=int, help="width of the MLP")
+    flags.add("lr", type=float, help="SGD learning rate (momentum 0.9)")
+    flags.add("timed_steps", type=int, help="last steps timed per action (bubble fraction)")
+    flags.add("reference", action="store_true", help="the same training in one process")
+    flags.add("long", action="store_true", help="peak memory against the micro-batch count")
+    flags.add("long_micro_batches", type=int, nargs="+", help="micro-batch counts of --long")
+    flags.add("long_micro_batch_size", type=int, help="rows per micro-batch of --long")
+    flags.add("long_steps", type=int, help="steps per micro-batch count of --long")
+    flags.add(
+        "backend",
+        choices=BACKENDS,
+        help="gloo: CPU processes; nccl: GPUs (--device applies to --reference only)",
+    )
+    flags.add("data", type=Path, help="CIFAR-10 python batches folder (default: digits)")
+    flags.add("dtype", choices=sorted(DTYPES), help="parameters and activations")
+    args = p.parse_args(argv)
+    return args, flags.resolve(args)
+
+
+# -- data and model ------------------------------------------------------------------------
+
+
+def load_data(cfg: PipelineConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Training rows (flattened, float32), labels, and the data's name."""
+    try:
+        from effdl.data.digits import load_digits_tensors
+    except ImportError:
+        if cfg.data is not None:
+            raise UsageError("--data: this checkout has no effdl.data.digits to read it") from None
+        return generated_digits()
+    x, y, _, _, source = load_digits_tensors(cfg.data)
+    return x.flatten(1).float(), y.long(), source
+
+
+def generated_digits(n: int = 1797, features: int = 64, classes: int = 10):
+    """Seeded Gaussian clusters shaped like the 8x8 digits, for when no data loader exists."""
+    gen = torch.Generator().manual_seed(0)
+    centers = torch.randn(classes, features, generator=gen)
+    y = torch.randint(0, classes, (n,), generator=gen)
+    return centers[y] + 1.5 * torch.randn(n, features, generator=gen), y, "generated clusters"
+
+
+def build_model(features: int, hidden: int, classes: int, pieces: int) -> nn.Sequential:
+    """``pieces`` blocks of two layers each (near-equal compute per pipeline stage): the first
+    projects the input, the last ends with the classifier. He initialization keeps the signal's
+    scale through the deep ReLU stack (torch's default shrinks it layer by layer, and the loss
+    then stalls for many steps)."""
+    widths = [features] + [hidden] * (2 * pieces - 1) + [classes]
+    layers: list[nn.Module] = []
+    for k, (a, b) in enumerate(itertools.pairwise(widths)):
+        linear = nn.Linear(a, b)
+        nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
+        nn.init.zeros_(linear.bias)
+        layers.append(linear)
+        if k < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def batch_indices(n: int, batch: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """Rows of each step: seeded shuffles, epoch after epoch (the same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.randperm(n, generator=gen) for _ in range(steps * batch // n + 1)])
+    return list(order[: steps * batch].view(steps, batch))
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+
+class PeakMemory:
+    """Memory at the start of a region (``start``) and its peak over it (``peak``):
+    ``max_memory_allocated`` on CUDA, else this process's RSS sampled every 10 ms by a thread
+    (RSS has no resettable peak)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.start, self.peak = device, 0, 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._process = psutil.Process()
+            self.start = self.peak = self._process.memory_info().rss
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- the ranks -----------------------------------------------------------------------------
+
+
+def build_stage(cfg: PipelineConfig, rank: int, features: int, device: torch.device):
+    """This rank's stage (the full model is built from the seed on every rank, then cut)."""
+    torch.manual_seed(cfg.seed)
+    pieces = cfg.stages * cfg.chunks
+    model = build_model(features, cfg.hidden, 10, pieces).to(device, DTYPES[cfg.dtype])
+    cut = split_sequential(model, pieces)
+    mine = [cut[c * cfg.stages + rank] for c in range(cfg.chunks)]
+    stage = PipelineStage(mine if cfg.chunks > 1 else mine[0], rank, cfg.stages, device=device)
+    optimizer = torch.optim.SGD([p for m in mine for p in m.parameters()], lr=cfg.lr, momentum=0.9)
+    return stage, optimizer
+
+
+def share_cpu_threads(world: int, device: torch.device) -> None:
+    """Give each CPU rank its share of the cores: ``world`` processes each running torch's
+    default (all cores) intra-op threads oversubscribe the CPU and stall in each other's way."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def train_rank(
+    rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
+) -> dict:
+    """Train through the pipeline; every rank returns its measurements (rank 0's has the
+    losses)."""
+    share_cpu_threads(world, device)
+    x, y, source = load_data(cfg)
+    x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
+    stage, optimizer = build_stage(cfg, rank, x.shape[1], device)
+    steps, busy, walls = [], [], []
+    with PeakMemory(device) as memory:
+        for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
+            timed = step >= cfg.steps - cfg.timed_steps
+            dist.barrier(group=control)
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss = stage.run(
+                x[rows], y[rows], cfg.micro_batches, cfg.schedule, record_timings=timed
+            )
+            optimizer.step()
+            synchronize(device)
+            steps.append({"step": step, "loss": loss.item(), "step_s": time.perf_counter() - start})
+            if timed:
+                busy.append(stage.last_stats.busy_s)
+                walls.append(stage.last_stats.wall_s)
+    return {
+        "steps": steps,
+        "busy_s": busy,
+        "wall_s": walls,
+        "peak_in_flight": stage.last_stats.peak_in_flight,
+        "peak_memory_bytes": memory.peak,
+        "source": source,
+    }
+
+
+def long_rank(
+    rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
+) -> dict:
+    """Peak memory and activations in flight at each micro-batch count (rows drawn with
+    replacement, ``long_micro_batch_size`` per micro-batch)."""
+    share_cpu_threads(world, device)
+    x, y, source = load_data(cfg)
+    stage, optimizer = build_stage(cfg, rank, x.shape[1], device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    counts = []
+    for m in cfg.long_micro_batches:
+        rows = torch.randint(0, len(x), (m * cfg.long_micro_batch_size,), generator=gen)
+        xb, yb = x[rows].to(device, DTYPES[cfg.dtype]), y[rows].to(device)
+        dist.barrier(group=control)
+        start = time.perf_counter()
+        with PeakMemory(device) as memory:
+            for _ in range(cfg.long_steps):
+                optimizer.zero_grad()
+                loss = stage.run(xb, yb, m, cfg.schedule)
+                optimizer.step()
+            synchronize(device)
+        counts.append({
+            "micro_batches": m,
+            "start_memory_bytes": memory.start,
+            "peak_memory_bytes": memory.peak,
+            "peak_in_flight": stage.last_stats.peak_in_flight,
+            "step_s": (time.perf_counter() - start) / cfg.long_steps,
+            "loss": loss.item(),
+        })  # fmt: skip
+    return {"counts": counts, "source": source}
+
+
+def control_group(backend: str) -> Group:
+    """The group of the barriers and of the results: a gloo group beside NCCL, which refuses
+    collectives over ranks that share a GPU (the pipeline itself only talks to neighbours)."""
+    return dist.new_group(backend="gloo") if backend == "nccl" else None
+
+
+def rank_result(
+    rank: int, world: int, cfg: PipelineConfig, local_rank: int, control: Group
+) -> dict:
+    """This rank's run. NCCL ranks take GPU ``local_rank % count``: round-robin, so 4 stages
+    on 2 GPUs put neighbouring stages on different GPUs."""
+    device = torch.device("cpu")
+    if cfg.backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    return (long_rank if cfg.long else train_rank)(rank, world, cfg, device, control)
+
+
+def spawned_rank(rank: int, world: int, cfg: PipelineConfig) -> dict:
+    """Entry of a rank started by :func:`spawn`."""
+    return rank_result(rank, world, cfg, rank, control_group(cfg.backend))
+
+
+def run_ranks(cfg: PipelineConfig) -> list[dict] | None:
+    """Every rank's result (in the logging process), or None on a torchrun rank other than 0."""
+    if "LOCAL_RANK" not in os.environ:
+        return spawn(spawned_rank, cfg.stages, cfg, backend=cfg.backend)
+    dist.init_process_group(cfg.backend)  # not init_from_env: GPUs are shared round-robin
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != cfg.stages:
+        raise UsageError(f"torchrun started {world} processes for --stages {cfg.stages}")
+    control = control_group(cfg.backend)
+    result = rank_result(rank, world, cfg, int(os.environ["LOCAL_RANK"]), control)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0, group=control)
+    dist.destroy_process_group()
+    return gathered
+
+
+def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
+    """The same model, data order and optimizer in one process, on whole batches."""
+    x, y, source = load_data(cfg)
+    x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(x.shape[1], cfg.hidden, 10, cfg.stages * cfg.chunks)
+    model = model.to(device, DTYPES[cfg.dtype])
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    steps = []
+    for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
+        loss.backward()
+        optimizer.step()
+        synchronize(device)
+        steps.append({"step": step, "loss": loss.item(), "step_s": time.perf_counter() - start})
+    return {"steps": steps, "source": source}
+
+
+# -- the run log ---------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, cfg = parse_args(argv)
+    cfg = dataclasses.replace(cfg, seed=args.seed)
+    # The log is opened before any work, by the one process that writes it.
+    logging = os.environ.get("RANK", "0") == "0"
+    run = start_run(args, TASK, LOG) if logging else None
+    if cfg.reference:
+        log_training(run, cfg, "reference", [reference_run(cfg, run.device)])
+        return
+    results = run_ranks(cfg)
+    if run is None:
+        return
+    if cfg.long:
+        log_long(run, cfg, results)
+    else:
+        log_training(run, cfg, cfg.schedule, results)
+
+
+def log_training(run: Run, cfg: PipelineConfig, variant: str, results: list[dict]) -> None:
+    """One record per step (rank 0's loss and step time) and a summary."""
+    where = run.where
+    config = {**dataclasses.asdict(cfg), "data": results[0]["source"], "where": where}
+    for row in results[0]["steps"]:
+        run.log.log(variant, config, row)
+    summary = {
+        "final_loss": results[0]["steps"][-1]["loss"],
+        "median_step_s": statistics.median(r["step_s"] for r in results[0]["steps"]),
+    }
+    if variant != "reference":
+        timed = list(zip(*(r["busy_s"] for r in results), strict=True))
+        walls = list(zip(*(r["wall_s"] for r in results), strict=True))
+        measured = [measured_bubble_fraction(b, max(w)) for b, w in zip(timed, walls, strict=True)]
+        summary |= {
+            "bubble_measured": statistics.median(measured) if measured else None,
+            "bubble_formula": bubble_fraction(cfg.stages, cfg.micro_batches, cfg.chunks),
+            "peak_in_flight": [r["peak_in_flight"] for r in results],
+            "peak_memory_bytes": [r["peak_memory_bytes"] for r in results],
+        }
+    run.log.log(f"{variant}_summary", config, summary)
+    print_table([summary], title=f"{variant}: {cfg.steps} steps on {config['data']}, {where}")
+
+
+def log_long(run: Run, cfg: PipelineConfig, results: list[dict]) -> None:
+    """One record per micro-batch count: every rank's peak memory and activations in flight."""
+    config = {**dataclasses.asdict(cfg), "data": results[0]["source"], "where": run.where}
+    rows = []
+    for k, m in enumerate(cfg.long_micro_batches):
+        per_rank = [r["counts"][k] for r in results]
+        row = {
+            "micro_batches": m,
+            "peak_memory_bytes": [c["peak_memory_bytes"] for c in per_rank],
+            "growth_bytes": [c["peak_memory_bytes"] - c["start_memory_bytes"] for c in per_rank],
+            "peak_in_flight": [c["peak_in_flight"] for c in per_rank],
+            "step_s": max(c["step_s"] for c in per_rank),
+        }
+        run.log.log(f"long_{cfg.schedule}", config, row)
+        rows.append({
+            "micro_batches": m,
+            "peak_mib": max(row["peak_memory_bytes"]) / 2**20,
+            "growth_mib": max(row["growth_bytes"]) / 2**20,
+            "peak_in_flight": row["peak_in_flight"],
+            "step_s": row["step_s"],
+        })  # fmt: skip
+    print_table(rows, title=f"--long {cfg.schedule}: peak memory per rank vs micro-batches")
+
+
+if __name__ == "__main__":
+    run_main(main)

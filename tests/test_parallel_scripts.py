@@ -1,0 +1,79 @@
+"""memory_efficient_gpt2/pipeline_parallel.py on the CPU: a --quick pipeline run logs the same
+loss curve as its --reference run (single process), --long logs every micro-batch count, and bad
+flags are refused in one line.
+
+The pipeline runs are separate interpreters: the script forks its ranks, and a fork of a process
+that has already run torch kernels (this test session) can hang in the child's first parallel
+kernel. The single-process reference runs in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from effdl.cli import run_main
+from effdl.parallel.pipeline import bubble_fraction
+from effdl.results import read_records
+from tests.script_loading import ROOT, load_script
+
+SCRIPT = ROOT / "memory_efficient_gpt2" / "pipeline_parallel.py"
+pipeline_parallel = load_script("memory_efficient_gpt2", "pipeline_parallel")
+
+
+def run_script(out: Path, *flags: str) -> list[dict]:
+    """``pipeline_parallel.py --quick FLAGS --out OUT`` in a new interpreter; its records."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(SCRIPT), "--quick", *flags, "--out", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return read_records(out / pipeline_parallel.LOG)
+
+
+def losses(records: list[dict], variant: str) -> list[float]:
+    return [r["metrics"]["loss"] for r in records if r["variant"] == variant]
+
+
+def test_quick_pipeline_curve_equals_the_single_process_curve(tmp_path):
+    run_script(tmp_path, "--schedule", "1f1b")
+    pipeline_parallel.main(["--quick", "--reference", "--out", str(tmp_path)])  # no fork
+    records = read_records(tmp_path / pipeline_parallel.LOG)
+    got, expected = losses(records, "1f1b"), losses(records, "reference")
+    assert len(got) == len(expected) == pipeline_parallel.QUICK.steps
+    assert got == pytest.approx(expected, rel=1e-5)  # float32, sums in another order
+    summary = next(r["metrics"] for r in records if r["variant"] == "1f1b_summary")
+    assert summary["bubble_formula"] == pytest.approx(bubble_fraction(4, 8))
+    assert 0 < summary["bubble_measured"] < 1
+    assert summary["peak_in_flight"] == [4, 3, 2, 1]
+    assert all(b > 0 for b in summary["peak_memory_bytes"])
+
+
+def test_long_run_logs_each_micro_batch_count(tmp_path):
+    records = run_script(tmp_path, "--long")
+    rows = [r["metrics"] for r in records if r["variant"] == "long_1f1b"]
+    assert [row["micro_batches"] for row in rows] == [10, 100]
+    for row in rows:  # 1F1B: at most S activations whatever the count
+        assert row["peak_in_flight"] == [4, 3, 2, 1]
+        assert len(row["peak_memory_bytes"]) == len(row["growth_bytes"]) == 4
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch", "60"], "--batch 60 is not a multiple of --micro-batches 8"),
+        (["--schedule", "interleaved", "--micro-batches", "6", "--batch", "60"], "multiples"),
+        (["--stages", "1"], "--stages must be >= 2"),
+    ],
+)
+def test_bad_flags_are_refused_in_one_line(tmp_path, monkeypatch, capsys, flags, message):
+    argv = ["pipeline_parallel.py", "--quick", *flags, "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        run_main(pipeline_parallel.main)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / pipeline_parallel.LOG).exists()
