@@ -47,6 +47,7 @@ from effdl.cli import (
     run_main,
     start_run,
 )
+from effdl.data.digits import DigitsDataError, load_digits_tensors
 from effdl.parallel.launch import spawn
 from effdl.parallel.pipeline import (
     SCHEDULES,
@@ -149,23 +150,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pipel
 
 
 def load_data(cfg: PipelineConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """Training rows (flattened, float32), labels, and the data's name."""
+    """Training rows (flattened, float32), labels, and the data's name: scikit-learn's digits,
+    CIFAR-10 from ``--data``, or effdl.data.digits' generated stand-in (see its docs)."""
     try:
-        from effdl.data.digits import load_digits_tensors
-    except ImportError:
-        if cfg.data is not None:
-            raise UsageError("--data: this checkout has no effdl.data.digits to read it") from None
-        return generated_digits()
-    x, y, _, _, source = load_digits_tensors(cfg.data)
-    return x.flatten(1).float(), y.long(), source
-
-
-def generated_digits(n: int = 1797, features: int = 64, classes: int = 10):
-    """Seeded Gaussian clusters shaped like the 8x8 digits, for when no data loader exists."""
-    gen = torch.Generator().manual_seed(0)
-    centers = torch.randn(classes, features, generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
-    return centers[y] + 1.5 * torch.randn(n, features, generator=gen), y, "generated clusters"
+        data = load_digits_tensors(cfg.data)
+    except DigitsDataError as err:
+        raise UsageError(f"--data: {err}") from None
+    return data.x_train.flatten(1).float(), data.y_train.long(), data.source
 
 
 def build_model(features: int, hidden: int, classes: int, pieces: int) -> nn.Sequential:

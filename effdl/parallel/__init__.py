@@ -1,7 +1,18 @@
-"""Parallel training on ``torch.distributed``: process launch (:mod:`effdl.parallel.launch`) and
-tensor parallelism (:mod:`effdl.parallel.tensor`)."""
+"""Parallel training on ``torch.distributed``: process launch (:mod:`effdl.parallel.launch`),
+pipeline parallelism (:mod:`effdl.parallel.pipeline`) and tensor parallelism
+(:mod:`effdl.parallel.tensor`)."""
 
 from effdl.parallel.launch import RankFailedError, init_from_env, spawn
+from effdl.parallel.pipeline import (
+    SCHEDULES,
+    Action,
+    PipelineStage,
+    bubble_fraction,
+    gpipe_schedule,
+    interleaved_schedule,
+    one_f_one_b_schedule,
+    split_sequential,
+)
 from effdl.parallel.tensor import (
     ColumnParallelLinear,
     ParallelLayerNorm,
@@ -16,17 +27,25 @@ from effdl.parallel.tensor import (
 )
 
 __all__ = [
+    "SCHEDULES",
+    "Action",
     "ColumnParallelLinear",
     "ParallelLayerNorm",
     "ParallelMLP",
     "ParallelSelfAttention",
     "ParallelTransformerBlock",
+    "PipelineStage",
     "RankFailedError",
     "RowParallelLinear",
+    "bubble_fraction",
     "copy_to_parallel",
     "gather_from_parallel",
+    "gpipe_schedule",
     "init_from_env",
+    "interleaved_schedule",
+    "one_f_one_b_schedule",
     "reduce_from_parallel",
     "spawn",
+    "split_sequential",
     "split_to_parallel",
 ]
