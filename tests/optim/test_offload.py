@@ -370,7 +370,8 @@ def train_curve(
 ) -> torch.Tensor:
     """Full-data loss before each of 300 Adam steps on mini-batches of 64, each split into
     ``micro`` micro-batches whose losses (each 1/``micro`` of the mean) ``update`` gets."""
-    x, y = (t.to(device) for t in teacher_task())
+    x, y = teacher_task()
+    x, y = x.to(device, next(model.parameters()).dtype), y.to(device)  # bf16 working weights
     g = torch.Generator().manual_seed(order_seed)
     losses = []
     for _ in range(300):
