@@ -12,7 +12,8 @@ bf16 working weights on the GPU, fp32 master weights and Adam moments on the CPU
 ``--checkpoint-layers -1`` checkpoints the fewest blocks whose estimated memory
 (effdl.profiling.memory_budget, with the activation bytes measured on the GPU) fits the cap.
 ``--moments int8`` keeps the Adam moments block-wise 8-bit on the host; ``--update-on device``
-runs that 8-bit step on the GPU, bucket by bucket. ``--level`` names the GPT-2-XL presets
+runs that 8-bit step on the GPU, bucket by bucket. ``--grad-accumulation-dtype bf16`` sums the
+micro-batches' gradients on the GPU in bf16 (2 B/param instead of 4). ``--level`` names the GPT-2-XL presets
 (:data:`LEVELS`); flags given beside it win. Past ``--memory-cap-gib`` (peak GPU memory) or
 ``--host-memory-cap-gib`` (the process's resident set, pinned buffers included, sampled after
 set-up and after every step) the run stops with :class:`MemoryCapExceeded` before that step's
@@ -85,8 +86,14 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TABLE_COLUMNS = ("step", "loss", "seq_per_s", "peak_gib", "host_rss_gib", "gpu_compute_s",
                  "d2h_s", "h2d_s", "cpu_update_s", "step_wait_s")  # fmt: skip
 BUCKET_NUMEL = 2**25  # parameters per optimizer bucket (a larger tensor gets its own)
-# update_on="device": bytes of the 8-bit step's temporaries per value of a chunk (offload module)
+# update_on="device": bytes of the 8-bit step's temporaries per value of a chunk (offload
+# module), and the fp32 copy of a chunk of a bf16 accumulator on top
 DEVICE_STEP_BYTES_PER_VALUE = 40
+DEVICE_STEP_BF16_GRAD_BYTES_PER_VALUE = 4
+ACCUMULATOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# memory_budget's mode that counts no GPU accumulator: this script counts the optimizer's own
+# GPU buffers (accumulator in its dtype, device-update scratch) from state_placement instead
+WITHOUT_OPTIMIZER_BUFFERS = "cpu"
 
 # GPT-2-XL presets, sugar over the flags (flags given beside --level win). Level 2 runs level 1's
 # configuration: its target is the speed against the --baseline run.
@@ -95,7 +102,7 @@ LEVELS: dict[int, dict] = {
     1: LEVEL_1,
     2: LEVEL_1,
     3: {"size": "xl", "memory_cap_gib": 11.0, "host_memory_cap_gib": 16.0, "moments": "int8",
-        "update_on": "device", "grad_accumulation": "gpu"},
+        "update_on": "device", "grad_accumulation": "gpu", "grad_accumulation_dtype": "bf16"},
 }  # fmt: skip
 
 
@@ -115,6 +122,7 @@ class TrainConfig:
     micro_batch: int = 4
     checkpoint_layers: int = -1  # -1: the fewest that fit the cap (estimate)
     grad_accumulation: str = "gpu"
+    grad_accumulation_dtype: str = "fp32"  # of the "gpu" accumulator
     lr: float = 1e-4
     weight_decay: float = 0.0
     memory_cap_gib: float = 11.0
@@ -134,6 +142,12 @@ class TrainConfig:
     def validate(self) -> None:
         require_choices(self, "size", sorted(SHAPES))
         require_choices(self, "grad_accumulation", GRAD_ACCUMULATION_MODES)
+        require_choices(self, "grad_accumulation_dtype", sorted(ACCUMULATOR_DTYPES))
+        if self.grad_accumulation_dtype != "fp32" and self.grad_accumulation != "gpu":
+            raise UsageError(
+                "--grad-accumulation-dtype bf16 is the GPU accumulator's dtype: it needs "
+                "--grad-accumulation gpu"
+            )
         require_choices(self, "moments", MOMENT_FORMATS)
         require_choices(self, "update_on", UPDATE_LOCATIONS)
         if self.update_on == "device" and self.moments != "int8":
@@ -204,6 +218,11 @@ def parse_args() -> tuple[argparse.Namespace, TrainConfig]:
         help="blocks to recompute in backward; -1 = fewest that fit the cap (estimate)",
     )
     flags.add("grad_accumulation", choices=GRAD_ACCUMULATION_MODES)
+    flags.add(
+        "grad_accumulation_dtype",
+        choices=sorted(ACCUMULATOR_DTYPES),
+        help="dtype of the GPU gradient accumulator (bf16: half the bytes, one rounding per add)",
+    )
     flags.add("lr", type=float)
     flags.add("weight_decay", type=float)
     flags.add("memory_cap_gib", type=float, help="peak GPU memory allowed")
@@ -495,15 +514,15 @@ def measure_activation_bytes(
 
 
 def pick_checkpoint_layers(
-    cfg: TrainConfig, n_params: int, act_bytes: float | None, scratch_gib: float
+    cfg: TrainConfig, n_params: int, act_bytes: float | None, optimizer_gib: float
 ) -> int:
-    """``--checkpoint-layers`` if given, else the fewest blocks whose estimate fits the cap
-    less ``scratch_gib`` (the device update's buffers, which the estimate does not hold)."""
+    """``--checkpoint-layers`` if given, else the fewest blocks whose estimate (weights,
+    activations, loss chunk) fits the cap less ``optimizer_gib`` (:func:`optimizer_gpu_gib`)."""
     if cfg.checkpoint_layers >= 0:
         return cfg.checkpoint_layers
     n = fewest_checkpointed_blocks(
-        SHAPES[cfg.size], n_params, cfg.micro_batch, cfg.seq, cfg.grad_accumulation,
-        cfg.memory_cap_gib - scratch_gib, cfg.chunk_tokens, act_bytes_per_token_layer=act_bytes,
+        SHAPES[cfg.size], n_params, cfg.micro_batch, cfg.seq, WITHOUT_OPTIMIZER_BUFFERS,
+        cfg.memory_cap_gib - optimizer_gib, cfg.chunk_tokens, act_bytes_per_token_layer=act_bytes,
     )  # fmt: skip
     if n is None:
         raise UsageError(
@@ -524,6 +543,7 @@ def run_config(cfg: TrainConfig, n_params: int, ckpt: int, threads: int) -> dict
         "n_micro": cfg.batch // cfg.micro_batch,
         "checkpoint_layers": ckpt,
         "grad_accumulation": cfg.grad_accumulation,
+        "grad_accumulation_dtype": cfg.grad_accumulation_dtype,
         "lr": cfg.lr,
         "cpu_threads": threads,
         "memory_cap_gib": cfg.memory_cap_gib,
@@ -544,14 +564,17 @@ def largest_buckets(param_numels: list[int]) -> list[int]:
     return [max(BUCKET_NUMEL, n) for n in biggest]
 
 
-def device_update_scratch_bytes(buckets: list[int], grad_accumulation: str) -> int:
+def device_update_scratch_bytes(buckets: list[int], cfg: TrainConfig) -> int:
     """Device bytes ``update_on="device"`` adds at most (the offload module's count): the
     scratch of the buckets in flight, ``buckets`` values each (fp32 masters, int8 moments with
     their absmaxes, fp32 gradients when they come from the host), and the temporaries of one
-    chunk of the 8-bit step."""
-    per_value = 4 + 2 + (4 if grad_accumulation == "cpu" else 0)
+    chunk of the 8-bit step (with a bf16 accumulator, its chunk read as fp32 too)."""
+    per_value = 4 + 2 + (4 if cfg.grad_accumulation == "cpu" else 0)
     scratch = sum(n * per_value + 2 * num_blocks(n) * 4 for n in buckets)
-    return scratch + DEVICE_STEP_BYTES_PER_VALUE * DEVICE_CHUNK_BLOCKS * BLOCK_SIZE
+    step_per_value = DEVICE_STEP_BYTES_PER_VALUE + (
+        DEVICE_STEP_BF16_GRAD_BYTES_PER_VALUE if cfg.grad_accumulation_dtype == "bf16" else 0
+    )
+    return scratch + step_per_value * DEVICE_CHUNK_BLOCKS * BLOCK_SIZE
 
 
 def state_placement(n_params: int, buckets: list[int], cfg: TrainConfig) -> list[dict]:
@@ -565,17 +588,20 @@ def state_placement(n_params: int, buckets: list[int], cfg: TrainConfig) -> list
     moment_dtype, moment_bytes = (
         ("uint8 + fp32 absmax", quantized_nbytes(n)) if int8 else ("fp32", 4 * n)
     )
+    # the host gradient buffer sums in fp32 ("cpu") or receives the GPU accumulator as it is
+    acc_dtype = cfg.grad_accumulation_dtype if gpu_accumulates else "fp32"
+    acc_bytes = ACCUMULATOR_DTYPES[acc_dtype].itemsize * n
     rows = [
         ("working_weights", "gpu", "bf16", 2 * n),
         ("master_weights", "host", "fp32", 4 * n),
         ("exp_avg", "host", moment_dtype, moment_bytes),
         ("exp_avg_sq", "host", moment_dtype, moment_bytes),
-        ("grad_accumulation", "gpu", "fp32", 4 * n if gpu_accumulates else 0),
-        ("grad", "host", "fp32", 0 if on_device and gpu_accumulates else 4 * n),
+        ("grad_accumulation", "gpu", acc_dtype, acc_bytes if gpu_accumulates else 0),
+        ("grad", "host", acc_dtype, 0 if on_device and gpu_accumulates else acc_bytes),
         ("grad_stage", "host", "bf16", 0 if gpu_accumulates else 2 * n),
         ("weight_stage", "host", "bf16", 0 if on_device else 2 * n),
         ("device_update_scratch", "gpu", "fp32 + uint8",
-         device_update_scratch_bytes(buckets, cfg.grad_accumulation) if on_device else 0),
+         device_update_scratch_bytes(buckets, cfg) if on_device else 0),
     ]  # fmt: skip
     return [{"state": s, "where": w, "dtype": d, "bytes": b} for s, w, d, b in rows if b]
 
@@ -585,9 +611,33 @@ def placed_gib(state: list[dict], where: str) -> float:
     return sum(r["bytes"] for r in state if r["where"] == where) / GIB
 
 
-def scratch_gib(state: list[dict]) -> float:
-    """GiB of the device update's scratch among the ``state_placement`` rows (0 without it)."""
-    return sum(r["bytes"] for r in state if r["state"] == "device_update_scratch") / GIB
+def optimizer_gpu_rows(state: list[dict]) -> dict[str, float]:
+    """GiB of the optimizer's own GPU buffers by ``state_placement`` row: the gradient
+    accumulator in its dtype and the device update's scratch (what memory_budget is not given)."""
+    return {
+        r["state"]: r["bytes"] / GIB
+        for r in state
+        if r["where"] == "gpu" and r["state"] != "working_weights"
+    }
+
+
+def optimizer_gpu_gib(state: list[dict]) -> float:
+    """GiB of :func:`optimizer_gpu_rows` together."""
+    return sum(optimizer_gpu_rows(state).values())
+
+
+def gpu_estimate(
+    cfg: TrainConfig, n_params: int, ckpt: int, act_bytes: float | None, state: list[dict]
+) -> dict[str, float]:
+    """GiB the GPU holds, by row: memory_budget's working weights, activations and loss chunk
+    (``ckpt`` blocks checkpointed), then :func:`optimizer_gpu_rows`, and ``total``."""
+    rows = memory_budget(
+        SHAPES[cfg.size], n_params, cfg.micro_batch, cfg.seq, ckpt, WITHOUT_OPTIMIZER_BUFFERS,
+        cfg.chunk_tokens, act_bytes_per_token_layer=act_bytes,
+    )  # fmt: skip
+    rows = {k: v for k, v in rows.items() if k not in ("grad_accumulation_fp32", "total")}
+    rows.update(optimizer_gpu_rows(state))
+    return {**rows, "total": sum(rows.values())}
 
 
 def log_budget(
@@ -598,19 +648,10 @@ def log_budget(
     measured: dict[str, float],
     act_bytes: float | None,
 ) -> dict:
-    """The ``memory_budget`` record: the state's placement, the GPU estimate (with the device
-    update's scratch) and the host state, beside what was measured after set-up; returns its
-    metrics."""
-    n_params, ckpt = config["n_params"], config["checkpoint_layers"]
-    gpu = memory_budget(
-        SHAPES[cfg.size], n_params, cfg.micro_batch, cfg.seq, ckpt,
-        cfg.grad_accumulation, cfg.chunk_tokens, act_bytes_per_token_layer=act_bytes,
-    )  # fmt: skip
-    gpu = {
-        **gpu,
-        "device_update_scratch": scratch_gib(state),
-        "total": gpu["total"] + scratch_gib(state),
-    }
+    """The ``memory_budget`` record: the state's placement, the GPU estimate
+    (:func:`gpu_estimate`) and the host state, beside what was measured after set-up; returns
+    its metrics."""
+    gpu = gpu_estimate(cfg, config["n_params"], config["checkpoint_layers"], act_bytes, state)
     metrics = {
         **{f"gpu_{k}_gib": v for k, v in gpu.items()},
         **{f"host_{r['state']}_gib": r["bytes"] / GIB for r in state if r["where"] == "host"},
@@ -708,6 +749,7 @@ def run_offload(
         device=device,
         working_dtype=torch.bfloat16,
         grad_accumulation=cfg.grad_accumulation,
+        grad_accumulation_dtype=ACCUMULATOR_DTYPES[cfg.grad_accumulation_dtype],
         bucket_numel=BUCKET_NUMEL,
         num_threads=threads,
         moments=cfg.moments,
@@ -720,7 +762,7 @@ def run_offload(
     rss_peak = host_rss_gib()
     check_memory_caps(cfg, "after set-up", setup_peak, rss_peak)
     state = state_placement(n_params, buckets, cfg)
-    ckpt = pick_checkpoint_layers(cfg, n_params, act_bytes, scratch_gib(state))
+    ckpt = pick_checkpoint_layers(cfg, n_params, act_bytes, optimizer_gpu_gib(state))
     checkpoint_blocks(model, ckpt)
     opt.timeline.enabled = True
     config = run_config(cfg, n_params, ckpt, threads)

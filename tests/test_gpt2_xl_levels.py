@@ -1,6 +1,7 @@
-"""memory_efficient_gpt2/train.py's GPT-2-XL flags: --moments / --update-on validated in one
-line, the --level presets resolved under the flags given beside them, the host and GPU memory
-caps failing loudly before a record, and the summary's budget beside the measured peaks."""
+"""memory_efficient_gpt2/train.py's GPT-2-XL flags: --moments / --update-on /
+--grad-accumulation-dtype validated in one line, the --level presets resolved under the flags
+given beside them, level 3's GPU estimate within its cap, the host and GPU memory caps failing
+loudly before a record, and the summary's budget beside the measured peaks."""
 
 import dataclasses
 import sys
@@ -9,6 +10,7 @@ import pytest
 
 from effdl.cli import run_main
 from effdl.optim.quantized_state import quantized_nbytes
+from effdl.profiling.memory_budget import ESTIMATE_HEADROOM_GIB
 from effdl.results import read_records
 from tests.script_loading import load_script
 
@@ -41,6 +43,9 @@ def parsed(argv, monkeypatch):
         (["--host-memory-cap-gib", "0"], "--host-memory-cap-gib must be > 0, got 0.0"),
         (["--level", "3", "--size", "tiny"], "--update-on device runs the 8-bit Adam step on "
          "the GPU: it needs --device cuda"),
+        (["--grad-accumulation", "cpu", "--grad-accumulation-dtype", "bf16"],
+         "--grad-accumulation-dtype bf16 is the GPU accumulator's dtype: it needs "
+         "--grad-accumulation gpu"),
     ],
 )  # fmt: skip
 def test_device_update_needs_int8_and_cuda(argv, message, tmp_path, monkeypatch, capsys):
@@ -53,18 +58,19 @@ def test_device_update_needs_int8_and_cuda(argv, message, tmp_path, monkeypatch,
 
 def test_level_presets_resolve_as_stated_and_given_flags_win(monkeypatch):
     plain = parsed([], monkeypatch)
-    assert (plain.level, plain.moments, plain.update_on, plain.host_memory_cap_gib) == (
-        None, "fp32", "host", None,
-    )  # fmt: skip
+    assert (plain.level, plain.moments, plain.update_on, plain.host_memory_cap_gib,
+            plain.grad_accumulation_dtype) == (None, "fp32", "host", None, "fp32")  # fmt: skip
     level_1 = parsed(["--level", "1"], monkeypatch)
     expected_1 = {"size": "xl", "memory_cap_gib": 16.0, "moments": "fp32", "update_on": "host",
-                  "host_memory_cap_gib": None, "level": 1}  # fmt: skip
+                  "host_memory_cap_gib": None, "level": 1,
+                  "grad_accumulation_dtype": "fp32"}  # fmt: skip
     assert {k: getattr(level_1, k) for k in expected_1} == expected_1
     level_2 = parsed(["--level", "2"], monkeypatch)
     assert level_2 == dataclasses.replace(level_1, level=2)
     level_3 = parsed(["--level", "3"], monkeypatch)
     expected_3 = {"size": "xl", "memory_cap_gib": 11.0, "host_memory_cap_gib": 16.0,
-                  "moments": "int8", "update_on": "device", "grad_accumulation": "gpu"}  # fmt: skip
+                  "moments": "int8", "update_on": "device", "grad_accumulation": "gpu",
+                  "grad_accumulation_dtype": "bf16"}  # fmt: skip
     assert {k: getattr(level_3, k) for k in expected_3} == expected_3
     given = parsed(["--level", "3", "--memory-cap-gib", "12", "--update-on", "host"], monkeypatch)
     assert (given.memory_cap_gib, given.update_on, given.moments) == (12.0, "host", "int8")
@@ -83,6 +89,9 @@ def test_state_placement_of_level_3_keeps_the_host_under_16_gib():
         "host",
         "gpu",
     )
+    assert (state["grad_accumulation"]["dtype"], state["grad_accumulation"]["bytes"]) == (
+        "bf16", 2 * XL_PARAMS,
+    )  # fmt: skip
     host = train.placed_gib(list(state.values()), "host")
     assert host == pytest.approx((4 * XL_PARAMS + 2 * quantized_nbytes(XL_PARAMS)) / 2**30)
     assert host < 16
@@ -90,8 +99,42 @@ def test_state_placement_of_level_3_keeps_the_host_under_16_gib():
     assert train.placed_gib(fp32, "host") == pytest.approx(18 * XL_PARAMS / 2**30)
 
 
-def parsed_level(level: int):
-    return train.TrainConfig(**{**train.LEVELS[level], "level": level})
+def parsed_level(level: int, **flags):
+    return train.TrainConfig(**{**train.LEVELS[level], "level": level, **flags})
+
+
+def level_3_estimate(accumulator: str) -> tuple[int | None, dict, dict]:
+    """XL at level 3 with the given accumulator dtype, without a GPU (activations: the
+    estimate's 36 d bytes per token and block): (automatic checkpoint choice, or None where
+    nothing fits; GPU estimate at that choice; GPU estimate with all 48 blocks checkpointed)."""
+    cfg = parsed_level(3, grad_accumulation_dtype=accumulator)
+    state = train.state_placement(XL_PARAMS, train.largest_buckets([XL_WTE, 1600 * 6400]), cfg)
+    every = train.gpu_estimate(cfg, XL_PARAMS, 48, None, state)
+    try:
+        ckpt = train.pick_checkpoint_layers(cfg, XL_PARAMS, None, train.optimizer_gpu_gib(state))
+    except train.UsageError:
+        return None, {}, every
+    return ckpt, train.gpu_estimate(cfg, XL_PARAMS, ckpt, None, state), every
+
+
+def test_level_3_gpu_estimate_fits_11_gib_with_the_bf16_accumulator():
+    """With the fp32 accumulator even 48 checkpointed blocks overrun the cap (as measured on an
+    H100: out of memory at 10.74 GiB allocated); with the bf16 one the automatic choice fits
+    within the cap less the estimate's headroom, and every block checkpointed fits easily. The
+    two differ by the accumulator's 2 B per parameter, less the device step's fp32 copy of a
+    chunk of bf16 gradients."""
+    headroom = ESTIMATE_HEADROOM_GIB
+    ckpt, auto, every = level_3_estimate("bf16")
+    assert auto["grad_accumulation"] == pytest.approx(2 * XL_PARAMS / 2**30)
+    assert ckpt < 48 and auto["total"] + headroom <= 11.0
+    assert auto["total"] == pytest.approx(sum(v for k, v in auto.items() if k != "total"))
+    assert every["total"] + headroom < 10.0
+    fp32_ckpt, _, fp32_every = level_3_estimate("fp32")
+    assert fp32_ckpt is None and fp32_every["total"] > 11.0
+    chunk_copy = 4 * train.DEVICE_CHUNK_BLOCKS * train.BLOCK_SIZE
+    assert (fp32_every["total"] - every["total"]) * 2**30 == pytest.approx(
+        2 * XL_PARAMS - chunk_copy
+    )
 
 
 def test_host_cap_below_the_resident_set_fails_loudly_before_any_record(
@@ -145,6 +188,19 @@ def test_int8_run_records_the_budget_beside_the_measured_peaks(tmp_path, monkeyp
     assert summary["step_s_median"] == steps[1]["metrics"]["step_s"]
 
 
+def test_bf16_accumulator_run_records_its_dtype_and_bytes(tmp_path, monkeypatch, capsys):
+    code, _ = run_train(["--grad-accumulation-dtype", "bf16", "--steps", "1"], tmp_path,
+                        monkeypatch, capsys)  # fmt: skip
+    assert code == 0
+    budget, *_, summary = read_records(tmp_path / "gpt2.jsonl")
+    assert summary["config"]["grad_accumulation_dtype"] == "bf16"
+    n_params = summary["config"]["n_params"]
+    state = {r["state"]: r for r in budget["metrics"]["state"]}
+    for row in ("grad_accumulation", "grad"):  # on the GPU, and its copy for the host update
+        assert (state[row]["dtype"], state[row]["bytes"]) == ("bf16", 2 * n_params)
+    assert budget["metrics"]["gpu_grad_accumulation_gib"] == pytest.approx(2 * n_params / 2**30)
+
+
 @pytest.mark.gpu
 def test_level_3_runs_on_cuda_within_both_caps(tmp_path, monkeypatch, capsys):
     argv = ["--level", "3", "--size", "tiny", "--device", "cuda", "--steps", "3",
@@ -154,6 +210,7 @@ def test_level_3_runs_on_cuda_within_both_caps(tmp_path, monkeypatch, capsys):
     summary = read_records(tmp_path / "gpt2.jsonl")[-1]
     assert summary["variant"] == "corpus_summary"
     assert summary["config"]["level"] == 3 and summary["config"]["update_on"] == "device"
+    assert summary["config"]["grad_accumulation_dtype"] == "bf16"
     assert 0 < summary["metrics"]["peak_gib_max"] <= 2
     assert 0 < summary["metrics"]["host_rss_peak_gib"] <= 16
     assert "device_update_scratch" in {r["state"] for r in summary["metrics"]["state"]}

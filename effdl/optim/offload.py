@@ -4,11 +4,20 @@ The model's parameters become working copies on ``device`` in ``working_dtype`` 
 fp16 with loss scaling, fp32 for exact tests): views into flat per-bucket buffers. Pass them
 still in fp32 so the masters start exact. A post-accumulate-grad hook takes each gradient as
 autograd produces it and frees ``p.grad``, so the GPU never holds a full set; micro-batches are
-summed exactly in fp32, on the GPU (``grad_accumulation="gpu"``: 4 B/param there, one D2H copy
-per step) or on the CPU (``"cpu"``: a D2H copy per micro-batch on a side stream). The update is
+summed on the GPU (``grad_accumulation="gpu"``: one D2H copy per step) or on the CPU (``"cpu"``:
+a D2H copy per micro-batch on a side stream, summed exactly in fp32). The update is
 torch's fused CPU Adam/AdamW kernel, one bucket at a time in a worker thread; after
 ``backward(loss, final=True)`` each bucket is updated, and its weights copied back on a second
 side stream, as soon as its gradients are complete, overlapping the rest of backward.
+
+The ``"gpu"`` accumulator is fp32 by default (4 B/param on the device: sums exact to fp32) or,
+with ``grad_accumulation_dtype=torch.bfloat16``, bf16 (2 B/param), which is what lets a model
+whose fp32 accumulator would not fit train at all. Each micro-batch's gradient is then added
+into it with one bf16 rounding per add, a relative error of about 2**-9 per add; with a few
+micro-batches per step this is far below the mini-batch noise of the gradient itself, and Adam
+divides the step by the gradient's running RMS, so a relative error in the gradient moves the
+update by about as much, not more. The update reads the accumulator as fp32 (per chunk on the
+8-bit paths, per parameter on the fp32 host path); a host update copies it down in bf16 too.
 
 Semantics are torch.optim.Adam's and AdamW's: the fp32 masters equal
 ``torch.optim.Adam(fused=True)`` on the CPU bit for bit; per-group hyper-parameters (read at
@@ -32,7 +41,8 @@ working weights there, and masters and moments come back. The gradients stay on 
 ``"cpu"``. Extra device memory: at most :data:`DEVICE_BUCKETS_IN_FLIGHT` buckets of scratch,
 each ``bucket_numel * (6 B, + 4 B with "cpu" accumulation) + 2 * bucket_numel / 2048 * 4 B``,
 plus the step's temporaries, about 40 B per value of :data:`DEVICE_CHUNK_BLOCKS` * 2048 values
-(~340 MB); the host keeps only fp32 masters and int8 moments (no working-weight staging copy).
+(~340 MB; 44 B, ~370 MB, with a bf16 accumulator, whose chunk is read as fp32); the host keeps
+only fp32 masters and int8 moments (no working-weight staging copy).
 
 Limits: no amsgrad, maximize, sparse gradients or gradient clipping (buckets update before the
 global norm is known); one working device; parameters must not be replaced after construction;
@@ -63,6 +73,7 @@ from effdl.profiling.timeline import Timeline
 
 _GROUP_DEFAULT_KEYS = ("lr", "betas", "eps", "weight_decay")
 GRAD_ACCUMULATION_MODES = ("cpu", "gpu")
+GRAD_ACCUMULATION_DTYPES = (torch.float32, torch.bfloat16)  # of the "gpu" mode's accumulator
 MOMENT_FORMATS = ("fp32", "int8")
 UPDATE_LOCATIONS = ("host", "device")
 # update_on="device": buckets whose scratch may live on the device at once (bounds its memory).
@@ -85,12 +96,12 @@ class _Bucket:
     master: Tensor  # fp32, CPU
     exp_avg: Tensor  # fp32 moments; empty with int8 moments
     exp_avg_sq: Tensor
-    grad: Tensor  # fp32 accumulated gradients, CPU (empty where they stay on the device)
+    grad: Tensor  # accumulated gradients, CPU (empty where they stay on the device)
     work: Tensor  # working weights on the device (params are views of it)
     steps: list[Tensor]  # one float32 scalar per param, as torch's fused Adam keeps them
     weight_stage: Tensor | None = None  # pinned, working dtype: H2D source
     grad_stage: Tensor | None = None  # pinned, working dtype: D2H target ("cpu" mode)
-    gpu_acc: Tensor | None = None  # fp32 on the device ("gpu" mode)
+    gpu_acc: Tensor | None = None  # on the device ("gpu" mode), grad_accumulation_dtype
     quantized: QuantizedMomentBuffers | None = None  # int8 moments, CPU
     has_grad: list[bool] = field(default_factory=list)  # accumulated grad present
     on_host: list[bool] = field(default_factory=list)  # ...and already added into .grad
@@ -126,7 +137,10 @@ class CPUOffloadAdam:
         params: parameters or param-group dicts (``lr``, ``betas``, ``eps``, ``weight_decay``).
         device: where the working weights live (default: the first parameter's device).
         working_dtype: dtype of the working weights (bf16 default; fp16 needs ``scale``).
-        grad_accumulation: ``"cpu"`` or ``"gpu"`` (see module docstring; ignored on CPU).
+        grad_accumulation: ``"cpu"`` or ``"gpu"`` (see module docstring; on a CPU device
+            ``"gpu"`` sums in the host gradient buffer itself).
+        grad_accumulation_dtype: dtype of the ``"gpu"`` accumulator, ``torch.float32`` or
+            ``torch.bfloat16`` (half the device bytes; see the module docstring).
         bucket_numel: target parameters per bucket (a larger tensor gets its own bucket).
         moments: ``"fp32"`` or ``"int8"`` (block-wise 8-bit; see the module docstring).
         update_on: ``"host"`` or, with int8 moments, ``"device"`` (see the module docstring).
@@ -146,6 +160,7 @@ class CPUOffloadAdam:
         device: str | torch.device | None = None,
         working_dtype: torch.dtype = torch.bfloat16,
         grad_accumulation: str = "gpu",
+        grad_accumulation_dtype: torch.dtype = torch.float32,
         bucket_numel: int = 2**25,
         num_threads: int | None = None,
         moments: str = "fp32",
@@ -155,6 +170,12 @@ class CPUOffloadAdam:
             raise ValueError(
                 f"grad_accumulation must be one of {GRAD_ACCUMULATION_MODES}, got {grad_accumulation!r}"
             )
+        if grad_accumulation_dtype not in GRAD_ACCUMULATION_DTYPES:
+            raise ValueError(
+                f"grad_accumulation_dtype must be fp32 or bf16, got {grad_accumulation_dtype}"
+            )
+        if grad_accumulation_dtype != torch.float32 and grad_accumulation != "gpu":
+            raise ValueError('grad_accumulation_dtype=bf16 needs grad_accumulation="gpu"')
         if working_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"working_dtype must be bf16, fp16 or fp32, got {working_dtype}")
         if bucket_numel < 1:
@@ -170,6 +191,7 @@ class CPUOffloadAdam:
         self.adamw = adamw
         self.working_dtype = working_dtype
         self.grad_accumulation = grad_accumulation
+        self.grad_accumulation_dtype = grad_accumulation_dtype
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         self.param_groups = _make_groups(params, defaults)
         first = self.param_groups[0]["params"][0]
@@ -242,7 +264,7 @@ class CPUOffloadAdam:
             exp_avg=torch.zeros(moments_numel, pin_memory=pin),
             exp_avg_sq=torch.zeros(moments_numel, pin_memory=pin),
             quantized=QuantizedMomentBuffers(numels, offsets, n, pin_memory=pin) if int8 else None,
-            grad=torch.empty(0) if self._grads_stay_on_device else host(torch.float32),
+            grad=torch.empty(0) if self._grads_stay_on_device else host(self._host_grad_dtype),
             work=torch.empty(n, dtype=self.working_dtype, device=self.device),
             steps=[torch.zeros((), dtype=torch.float32) for _ in params],
             has_grad=[False] * len(params),
@@ -255,7 +277,7 @@ class CPUOffloadAdam:
             if self.grad_accumulation == "cpu":
                 b.grad_stage = host(self.working_dtype)
             else:
-                b.gpu_acc = torch.zeros(n, dtype=torch.float32, device=self.device)
+                b.gpu_acc = torch.zeros(n, dtype=self.grad_accumulation_dtype, device=self.device)
         else:
             b.work.copy_(master)
         for i, p in enumerate(params):
@@ -263,6 +285,12 @@ class CPUOffloadAdam:
             p.grad = None
             self._where[p] = (b, i)
         return b
+
+    @property
+    def _host_grad_dtype(self) -> torch.dtype:
+        """The host gradient buffer's dtype: fp32 sums in "cpu" mode, else a copy (or, on a CPU
+        device, the buffer itself) of the accumulator."""
+        return torch.float32 if self.grad_accumulation == "cpu" else self.grad_accumulation_dtype
 
     # ----------------------------------------------------------------------------- backward
     def backward(self, loss: Tensor, *, final: bool = False, scale: float | None = None) -> None:
@@ -397,7 +425,7 @@ class CPUOffloadAdam:
             fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
             fused(
                 [b.view(b.master, i) for i in idx],
-                [b.view(b.grad, i) for i in idx],
+                [b.view(b.grad, i).float() for i in idx],  # a bf16 accumulator: fp32 copies
                 [b.view(b.exp_avg, i) for i in idx],
                 [b.view(b.exp_avg_sq, i) for i in idx],
                 [],

@@ -206,8 +206,9 @@ class QuantizedAdamMoments:
     ) -> None:
         """One Adam (``adamw=False``) or AdamW step of ``param`` in place, updating the moments.
 
-        ``param`` and ``grad`` are flat contiguous fp32 tensors of ``numel`` values on this
-        state's device; ``step`` is the fp32 scalar step count there, already incremented for
+        ``param`` and ``grad`` are flat contiguous tensors of ``numel`` values on this state's
+        device, ``param`` fp32 and ``grad`` fp32 or bf16 (read as fp32 chunk by chunk, so a
+        bf16 gradient costs 4 more bytes per value of a chunk, not a full fp32 copy); ``step`` is the fp32 scalar step count there, already incremented for
         this step. Chunk by chunk of ``chunk_blocks`` blocks (default :data:`CHUNK_BLOCKS`):
         dequantize both moments, run torch's fused Adam kernel on them in fp32, re-quantize.
         Scratch is about 40 bytes per value of a chunk. Given the dequantized moments the
@@ -222,7 +223,7 @@ class QuantizedAdamMoments:
             m, v = part.exp_avg(), part.exp_avg_sq()
             fused(
                 [param[start:end]],
-                [grad[start:end]],
+                [grad[start:end].float()],
                 [m],
                 [v],
                 [],
