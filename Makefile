@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 RUNS   := runs
 
 .PHONY: demo test test-gpu lint reports reports-commit clean \
-        demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu demo-lm
+        demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu demo-lm demo-parallel
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,7 @@ lint: $(STAMP)
 # Every task in quick mode on embedded data, then the reports against those fresh logs.
 demo: $(STAMP)
 	@rm -rf $(RUNS)/demo-failed
-	@for t in demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu demo-lm; do \
+	@for t in demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu demo-lm demo-parallel; do \
 	  $(MAKE) --no-print-directory $$t || { mkdir -p $(RUNS); touch $(RUNS)/demo-failed; echo "FAILED: $$t"; }; \
 	done
 	@$(MAKE) --no-print-directory reports
@@ -69,6 +69,11 @@ demo-lm: $(STAMP)
 	$(PY) lm_training/data_deliverables.py --quick --cache $(RUNS)/cache/lm --out $(RUNS)/lm_training
 	$(PY) lm_training/speedup_stages.py --quick --cache $(RUNS)/cache/lm --out $(RUNS)/lm_training
 	$(PY) lm_training/layer_norm_benchmark.py --quick --out $(RUNS)/lm_training
+demo-parallel: $(STAMP)
+	$(PY) memory_efficient_gpt2/tensor_parallel.py --quick --out $(RUNS)/parallelism
+	$(PY) memory_efficient_gpt2/pipeline_parallel.py --quick --reference --device cpu --out $(RUNS)/parallelism
+	$(PY) memory_efficient_gpt2/pipeline_parallel.py --quick --out $(RUNS)/parallelism
+	$(PY) memory_efficient_gpt2/pipeline_parallel.py --quick --long --out $(RUNS)/parallelism
 
 # Executed copies + HTML of every reports/*.ipynb against the demo's fresh logs.
 reports: $(STAMP)

@@ -7,6 +7,7 @@ curve must coincide with ``--reference`` (the same model, seed and batches in on
     python memory_efficient_gpt2/pipeline_parallel.py --schedule gpipe --steps 300
     python memory_efficient_gpt2/pipeline_parallel.py --reference            # one process
     python memory_efficient_gpt2/pipeline_parallel.py --long                 # 10/100/1000 micro-batches
+    python memory_efficient_gpt2/pipeline_parallel.py --compare-torch --schedule gpipe   # reference
     torchrun --nproc-per-node 4 memory_efficient_gpt2/pipeline_parallel.py --backend nccl
 
 Without ``torchrun`` the script starts its own ranks (effdl.parallel.launch.spawn); with
@@ -15,7 +16,9 @@ and step time; per run: the bubble fraction measured over the last ``--timed-ste
 (compute time per action against the step's wall time) beside the formula, the activations held
 in flight and the peak memory of every rank (RSS on CPU, ``max_memory_allocated`` on GPU).
 ``--long`` runs ``--long-micro-batches`` counts of ``--long-micro-batch-size`` rows each and
-logs the peak memory at each count, which stays flat with 1F1B.
+logs the peak memory at each count, which stays flat with 1F1B. ``--compare-torch`` trains the
+same split model with torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B instead (the
+speed reference, logged as ``torch_gpipe``/``torch_1f1b``; step time and loss only).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ TASK = "parallelism"
 LOG = "pipeline_parallel.jsonl"
 BACKENDS = ("gloo", "nccl")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+TORCH_SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class PipelineConfig:
     timed_steps: int = 20
     reference: bool = False
     long: bool = False
+    compare_torch: bool = False  # torch.distributed.pipelining's schedule on the same stages
     long_micro_batches: tuple[int, ...] = (10, 100, 1000)
     long_micro_batch_size: int = 4
     long_steps: int = 2
@@ -99,6 +104,11 @@ class PipelineConfig:
         require_positive(self, "long_micro_batches", "long_micro_batch_size", "long_steps")
         require_positive(self, "timed_steps", "lr", minimum=0)
         require_positive(self, "stages", minimum=2)
+        if self.compare_torch and self.schedule not in TORCH_SCHEDULES:
+            raise UsageError(
+                f"--compare-torch needs --schedule in {sorted(TORCH_SCHEDULES)}, "
+                f"got {self.schedule!r}"
+            )
         if self.batch % self.micro_batches:
             raise UsageError(
                 f"--batch {self.batch} is not a multiple of --micro-batches {self.micro_batches}"
@@ -132,6 +142,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pipel
     flags.add("timed_steps", type=int, help="last steps timed per action (bubble fraction)")
     flags.add("reference", action="store_true", help="the same training in one process")
     flags.add("long", action="store_true", help="peak memory against the micro-batch count")
+    flags.add(
+        "compare_torch",
+        action="store_true",
+        help="train with torch.distributed.pipelining's schedule instead (speed reference)",
+    )
     flags.add("long_micro_batches", type=int, nargs="+", help="micro-batch counts of --long")
     flags.add("long_micro_batch_size", type=int, help="rows per micro-batch of --long")
     flags.add("long_steps", type=int, help="steps per micro-batch count of --long")
@@ -227,13 +242,20 @@ def synchronize(device: torch.device) -> None:
 # -- the ranks -----------------------------------------------------------------------------
 
 
-def build_stage(cfg: PipelineConfig, rank: int, features: int, device: torch.device):
-    """This rank's stage (the full model is built from the seed on every rank, then cut)."""
+def stage_modules(
+    cfg: PipelineConfig, rank: int, features: int, device: torch.device
+) -> list[nn.Sequential]:
+    """This rank's pieces (the full model is built from the seed on every rank, then cut)."""
     torch.manual_seed(cfg.seed)
     pieces = cfg.stages * cfg.chunks
     model = build_model(features, cfg.hidden, 10, pieces).to(device, DTYPES[cfg.dtype])
     cut = split_sequential(model, pieces)
-    mine = [cut[c * cfg.stages + rank] for c in range(cfg.chunks)]
+    return [cut[c * cfg.stages + rank] for c in range(cfg.chunks)]
+
+
+def build_stage(cfg: PipelineConfig, rank: int, features: int, device: torch.device):
+    """This rank's stage and its optimizer."""
+    mine = stage_modules(cfg, rank, features, device)
     stage = PipelineStage(mine if cfg.chunks > 1 else mine[0], rank, cfg.stages, device=device)
     optimizer = torch.optim.SGD([p for m in mine for p in m.parameters()], lr=cfg.lr, momentum=0.9)
     return stage, optimizer
@@ -279,6 +301,40 @@ def train_rank(
         "peak_memory_bytes": memory.peak,
         "source": source,
     }
+
+
+def torch_rank(
+    rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
+) -> dict:
+    """The same stages, data and optimizer through torch.distributed.pipelining (the speed
+    reference; only the last rank sees the loss, the others log NaN)."""
+    from torch.distributed import pipelining
+
+    share_cpu_threads(world, device)
+    x, y, source = load_data(cfg)
+    x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
+    (module,) = stage_modules(cfg, rank, x.shape[1], device)
+    stage = pipelining.PipelineStage(module, rank, world, device)
+    kind = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[cfg.schedule]
+    schedule = kind(stage, cfg.micro_batches, loss_fn=nn.functional.cross_entropy)
+    optimizer = torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=0.9)
+    steps = []
+    for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
+        dist.barrier(group=control)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x[rows])
+        elif rank == world - 1:
+            schedule.step(target=y[rows], losses=losses)
+        else:
+            schedule.step()
+        optimizer.step()
+        synchronize(device)
+        loss = torch.stack(losses).mean().item() if losses else float("nan")
+        steps.append({"step": step, "loss": loss, "step_s": time.perf_counter() - start})
+    return {"steps": steps, "source": source}
 
 
 def long_rank(
@@ -328,7 +384,8 @@ def rank_result(
     if cfg.backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    return (long_rank if cfg.long else train_rank)(rank, world, cfg, device, control)
+    entry = long_rank if cfg.long else torch_rank if cfg.compare_torch else train_rank
+    return entry(rank, world, cfg, device, control)
 
 
 def spawned_rank(rank: int, world: int, cfg: PipelineConfig) -> dict:
@@ -389,6 +446,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if cfg.long:
         log_long(run, cfg, results)
+    elif cfg.compare_torch:
+        log_training(run, cfg, f"torch_{cfg.schedule}", results[-1:])  # the loss's rank
     else:
         log_training(run, cfg, cfg.schedule, results)
 
@@ -403,7 +462,7 @@ def log_training(run: Run, cfg: PipelineConfig, variant: str, results: list[dict
         "final_loss": results[0]["steps"][-1]["loss"],
         "median_step_s": statistics.median(r["step_s"] for r in results[0]["steps"]),
     }
-    if variant != "reference":
+    if variant in SCHEDULES:
         timed = list(zip(*(r["busy_s"] for r in results), strict=True))
         walls = list(zip(*(r["wall_s"] for r in results), strict=True))
         measured = [measured_bubble_fraction(b, max(w)) for b, w in zip(timed, walls, strict=True)]

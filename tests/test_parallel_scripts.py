@@ -61,12 +61,24 @@ def test_long_run_logs_each_micro_batch_count(tmp_path):
         assert len(row["peak_memory_bytes"]) == len(row["growth_bytes"]) == 4
 
 
+def test_torch_pipelining_reference_trains_the_same_curve(tmp_path):
+    run_script(tmp_path, "--compare-torch", "--schedule", "gpipe")
+    pipeline_parallel.main(["--quick", "--reference", "--out", str(tmp_path)])  # no fork
+    records = read_records(tmp_path / pipeline_parallel.LOG)
+    got, expected = losses(records, "torch_gpipe"), losses(records, "reference")
+    assert len(got) == len(expected) == pipeline_parallel.QUICK.steps
+    assert got == pytest.approx(expected, rel=1e-5)
+    summary = next(r["metrics"] for r in records if r["variant"] == "torch_gpipe_summary")
+    assert summary["median_step_s"] > 0 and "bubble_measured" not in summary
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--batch", "60"], "--batch 60 is not a multiple of --micro-batches 8"),
         (["--schedule", "interleaved", "--micro-batches", "6", "--batch", "60"], "multiples"),
         (["--stages", "1"], "--stages must be >= 2"),
+        (["--compare-torch", "--schedule", "interleaved"], "--compare-torch needs --schedule"),
     ],
 )
 def test_bad_flags_are_refused_in_one_line(tmp_path, monkeypatch, capsys, flags, message):
