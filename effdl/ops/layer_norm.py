@@ -17,7 +17,7 @@ forward reads x and writes y (2 passes), the backward reads x and dy and writes 
 measures achieved bandwidth.
 
 Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
-backward runs a fixed number of programs (a few per SM), each over a contiguous block of rows,
+backward runs enough programs to fill every SM's warp slots, each over a contiguous block of rows,
 writing dx row by row and keeping its share of dw and db in fp32 registers; the per-program
 partials (``programs x N``, fp32) are summed by ``torch.sum``: no atomics, so results do not
 depend on scheduling. Inputs and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of
@@ -47,7 +47,8 @@ except ImportError:  # CPU-only installs: the PyTorch path serves every input
     triton = None
 
 MAX_TRITON_WIDTH = 16384  # elements of one row kept in registers by one program
-PROGRAMS_PER_SM = 4  # backward programs per SM: enough rows in flight to hide latency
+WARPS_PER_SM = 64  # an SM's resident warps (Hopper, Ampere): the backward launches enough
+# programs to fill them, so each SM has rows in flight while others wait on memory
 INTERPRETER_PROGRAMS = 4  # backward programs off CUDA (the Triton interpreter)
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -128,10 +129,13 @@ def _num_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-def _backward_programs(rows: int, device: torch.device) -> int:
+def _backward_programs(rows: int, width_block: int, device: torch.device) -> int:
+    """Programs of the backward: enough to fill every SM's warp slots (narrow rows use few
+    warps, so more programs), never more than the rows."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(rows, PROGRAMS_PER_SM * sms))
+        per_sm = max(1, WARPS_PER_SM // _num_warps(width_block))
+        return max(1, min(rows, per_sm * sms))
     return max(1, min(rows, INTERPRETER_PROGRAMS))
 
 
@@ -158,12 +162,12 @@ def _triton_forward(x, weight, bias, eps):
 def _triton_backward(dy, x, weight, mean, rstd, want_dw, want_db):
     m, n = x.shape
     dx = torch.empty_like(x)
-    programs = _backward_programs(m, x.device)
+    block = triton.next_power_of_2(n)
+    programs = _backward_programs(m, block, x.device)
     partial = torch.empty(
         (2 if want_dw and want_db else 1, programs, n), device=x.device, dtype=torch.float32
     )
     dw_part, db_part = partial[0], partial[-1]
-    block = triton.next_power_of_2(n)
     _backward_kernel[(programs,)](
         x, dy, dx, weight if weight is not None else x, mean, rstd, dw_part, db_part,
         x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
