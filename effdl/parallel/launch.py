@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 _POLL_S = 0.2
 _GRACE_S = 2.0
+_RENDEZVOUS_ATTEMPTS = 2  # gloo's TCP mesh set-up now and then loses a connection under load
 
 
 class RankFailedError(RuntimeError):
@@ -54,6 +55,7 @@ def _run_rank(
     results: Any,
     forked: bool,
 ) -> None:
+    joined = False
     try:
         if forked:
             # The parent's OpenMP thread pool does not survive fork: a child whose parent ran a
@@ -62,11 +64,12 @@ def _run_rank(
             torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        joined = True
         # Plain pickle (bytes), not torch's shared-memory reduction: the result must outlive
         # this process.
-        outcome = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+        outcome = (rank, True, pickle.dumps(fn(rank, world_size, *args)), True)
     except BaseException:
-        outcome = (rank, False, traceback.format_exc())
+        outcome = (rank, False, traceback.format_exc(), joined)
     results.put(outcome)  # before the group goes down and the peers fail because of it
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -81,28 +84,32 @@ def _stop(processes: list) -> None:
         p.join()
 
 
-def _collect(processes: list, results: Any) -> tuple[dict[int, Any], dict[int, str]]:
-    """Each rank's result or failure. After the first failure the others get ``_GRACE_S`` to
-    report theirs (usually consequences, but the root cause may arrive second)."""
+def _collect(processes: list, results: Any) -> tuple[dict[int, Any], dict[int, str], bool]:
+    """Each rank's result or failure, and whether every failure happened while joining the
+    group. After the first failure the others get ``_GRACE_S`` to report theirs (usually
+    consequences, but the root cause may arrive second)."""
     done: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    only_rendezvous = True
     deadline = None
     while len(done) + len(failures) < len(processes):
         if deadline is not None and time.monotonic() > deadline:
             break
         try:
-            rank, ok, payload = results.get(timeout=_POLL_S)
+            rank, ok, payload, joined = results.get(timeout=_POLL_S)
             if ok:
                 done[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
+                only_rendezvous = only_rendezvous and not joined
         except queue.Empty:
             for rank, p in enumerate(processes):
                 if rank not in done and rank not in failures and p.exitcode not in (None, 0):
                     failures[rank] = f"process exited with code {p.exitcode} before reporting"
+                    only_rendezvous = False
         if failures and deadline is None:
             deadline = time.monotonic() + _GRACE_S
-    return done, failures
+    return done, failures, only_rendezvous
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list:
@@ -115,11 +122,27 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     traceback. Processes are forked for gloo (fast; the children must then not use CUDA, and
     run with one intra-op thread: ``torch.set_num_threads(1)``) and
     spawned for other backends or once the parent has initialised CUDA; spawned children
-    unpickle ``fn`` and ``args``, so ``fn`` must be importable by its module name.
+    unpickle ``fn`` and ``args``, so ``fn`` must be importable by its module name. Where every
+    failure happened while the ranks were joining the group (gloo's TCP mesh set-up now and
+    then loses a connection on a loaded machine), all ranks are started once more on a fresh
+    store; a rank that had joined may then have begun ``fn`` before being stopped.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     method = _start_method(backend)
+    for attempt in range(1, _RENDEZVOUS_ATTEMPTS + 1):
+        done, failures, only_rendezvous = _run_once(fn, world_size, args, backend, method)
+        if not failures:
+            return [done[rank] for rank in range(world_size)]
+        if not (only_rendezvous and attempt < _RENDEZVOUS_ATTEMPTS):
+            raise RankFailedError(failures)
+    raise AssertionError("unreachable")
+
+
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: tuple, backend: str, method: str
+) -> tuple[dict[int, Any], dict[int, str], bool]:
+    """One set of ranks on a fresh store: what :func:`_collect` gathered, ranks reaped."""
     ctx = mp.get_context(method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="effdl-spawn-") as tmp:
@@ -135,16 +158,16 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         for p in processes:
             p.start()
         try:
-            done, failures = _collect(processes, results)
+            outcome = _collect(processes, results)
         except BaseException:
             _stop(processes)
             raise
-        if failures:
+        if outcome[1]:
             _stop(processes)
-            raise RankFailedError(failures)
-        for p in processes:
-            p.join()
-    return [done[rank] for rank in range(world_size)]
+        else:
+            for p in processes:
+                p.join()
+    return outcome
 
 
 def init_from_env(backend: str | None = None) -> torch.device:

@@ -1,4 +1,4 @@
-"""spawn: forked ranks work after the parent ran multi-threaded ops."""
+"""spawn: forked ranks after the parent ran multi-threaded ops; rendezvous retried, failures not."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+import torch.distributed as dist
+
+from effdl.parallel.launch import RankFailedError, spawn
 from tests.script_loading import ROOT
 
 PARENT_THEN_RANKS = textwrap.dedent(
@@ -34,3 +39,37 @@ def test_forked_ranks_run_after_the_parent_used_threads() -> None:
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[1.0, 1.0]"  # each rank: one intra-op thread
+
+
+def _sum_of_ranks(rank: int, world: int) -> int:
+    t = torch.tensor([rank])
+    dist.all_reduce(t)
+    return int(t)
+
+
+def _fails_in_fn(rank: int, world: int, marker: str) -> None:
+    with open(marker, "a") as f:
+        f.write(f"{rank}\n")
+    raise ValueError("boom")
+
+
+def test_a_failed_rendezvous_is_retried_once_on_a_fresh_store(tmp_path, monkeypatch) -> None:
+    marker = tmp_path / "first_attempt_failed"
+    join = dist.init_process_group
+
+    def flaky_join(*args, **kwargs):  # rank 0's first attempt loses its connection
+        if kwargs.get("rank") == 0 and not marker.exists():
+            marker.touch()
+            raise RuntimeError("Gloo connectFullMesh failed: Connection closed by peer")
+        return join(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", flaky_join)  # forked ranks inherit it
+    assert spawn(_sum_of_ranks, 2) == [1, 1]
+    assert marker.exists()
+
+
+def test_a_failure_inside_fn_is_not_retried(tmp_path) -> None:
+    marker = tmp_path / "calls"
+    with pytest.raises(RankFailedError, match="boom"):
+        spawn(_fails_in_fn, 2, str(marker))
+    assert sorted(marker.read_text().split()) == ["0", "1"]  # one attempt per rank
