@@ -213,7 +213,8 @@ class QuantizedAdamMoments:
         dequantize both moments, run torch's fused Adam kernel on them in fp32, re-quantize.
         Scratch is about 40 bytes per value of a chunk. Given the dequantized moments the
         parameter update is exactly torch's fused kernel on that device; the only error is the
-        moments' rounding. Chunks are independent, so the chunk size does not change results.
+        moments' rounding, and a first moment whose second moment rounded to 0 is dropped
+        (else the step would be ``m / eps``). Chunks are independent, so the chunk size does not change results.
         """
         fused = torch._fused_adamw_ if adamw else torch._fused_adam_
         chunk = (chunk_blocks or CHUNK_BLOCKS) * BLOCK_SIZE
@@ -221,6 +222,10 @@ class QuantizedAdamMoments:
             end = min(start + chunk, self.numel)
             part = self._slice(start, end)
             m, v = part.exp_avg(), part.exp_avg_sq()
+            # A second moment far below its block's largest (a rarely used embedding row
+            # beside frequent ones) is stored as 0 while its first moment is not: its step would
+            # be m / eps. Such a value takes no step from its stale first moment.
+            m.masked_fill_(v == 0, 0.0)
             fused(
                 [param[start:end]],
                 [grad[start:end].float()],
