@@ -114,6 +114,7 @@ def test_step_is_fused_adam_on_the_dequantized_moments(
     hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
 
     ref_param, m, v = param.clone(), state.exp_avg(), state.exp_avg_sq()
+    m.masked_fill_(v == 0, 0.0)  # a second moment stored as 0 drops its first moment
     fused = torch._fused_adamw_ if adamw else torch._fused_adam_
     fused([ref_param], [grad], [m], [v], [], [step], amsgrad=False, maximize=False, **hyper)
     state.step(param, grad, step, adamw=adamw, **hyper)
@@ -122,6 +123,24 @@ def test_step_is_fused_adam_on_the_dequantized_moments(
     for key, ref in (("exp_avg", quantize(m)), ("exp_avg_sq", quantize(v, signed=False))):
         assert torch.equal(getattr(state, f"{key}_codes"), ref[0])
         assert torch.equal(getattr(state, f"{key}_absmax"), ref[1])
+
+
+def test_a_second_moment_stored_as_zero_takes_no_step_from_its_first_moment() -> None:
+    """A rarely seen embedding row beside a frequent one in one block: its second moment is far
+    below the block's largest and is stored as 0, its first moment is not; with no gradient
+    this step it must not move (Adam's step there would be m / eps)."""
+    n = BLOCK_SIZE
+    m, v = torch.full((n,), 1e-4), torch.full((n,), 1e-16)  # rare values: tiny second moment
+    m[0], v[0] = 1e-2, 1.0  # one frequent value sets the block's scale
+    state = QuantizedAdamMoments.zeros(n)
+    state.set(m, v)
+    assert state.exp_avg()[1] != 0 and state.exp_avg_sq()[1] == 0
+    param, grad = torch.zeros(n), torch.zeros(n)
+    hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    state.step(param, grad, torch.tensor(10.0), adamw=False, **hyper)
+    assert param[1:].abs().max() == 0
+    assert param[0] != 0  # the value with a stored second moment still steps
+    assert param.abs().max() <= 10 * hyper["lr"]
 
 
 def test_state_dict_round_trip_is_lossless() -> None:
