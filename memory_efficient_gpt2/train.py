@@ -91,9 +91,9 @@ BUCKET_NUMEL = 2**25  # parameters per optimizer bucket (a larger tensor gets it
 DEVICE_STEP_BYTES_PER_VALUE = 40
 DEVICE_STEP_BF16_GRAD_BYTES_PER_VALUE = 4
 ACCUMULATOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# memory_budget's mode that counts no GPU accumulator: this script counts the optimizer's own
-# GPU buffers (accumulator in its dtype, device-update scratch) from state_placement instead
-WITHOUT_OPTIMIZER_BUFFERS = "cpu"
+# memory_budget counts the model's share only: the optimizer's own GPU buffers (accumulator in
+# its dtype, device-update scratch) come from state_placement
+WITHOUT_OPTIMIZER_BUFFERS = "none"
 
 # GPT-2-XL presets, sugar over the flags (flags given beside --level win). Level 2 runs level 1's
 # configuration: its target is the speed against the --baseline run.

@@ -29,11 +29,19 @@ def memory_budget(
 ) -> dict[str, float]:
     """GiB the GPU holds during training with the offloaded optimizer (an estimate).
 
-    Keys: working weights, fp32 grad accumulation (``"gpu"`` mode only), stored activations,
+    ``grad_accumulation``: ``"gpu"`` counts an fp32 gradient accumulator on the GPU, ``"cpu"``
+    (accumulation on the host) none, ``"none"`` none either: the caller counts the optimizer's
+    own GPU buffers itself (an accumulator of another dtype, update scratch).
+
+    Keys: working weights, fp32 grad accumulation (``"gpu"`` only), stored activations,
     loss chunk (fp32 logits chunk + its low-precision copy; fp32 LM-head grad + the GEMM's
     low-precision and fp32 temporaries), and ``total``. ``act_bytes_per_token_layer`` (None:
     the module docstring's count, 36 d) can be a measured value instead.
     """
+    if grad_accumulation not in ("gpu", "cpu", "none"):
+        raise ValueError(
+            f"grad_accumulation must be 'gpu', 'cpu' or 'none', got {grad_accumulation!r}"
+        )
     d, tokens = shape.n_embd, micro_batch * seq
     if act_bytes_per_token_layer is None:
         act_bytes_per_token_layer = ACT_BYTES_PER_TOKEN_LAYER * d

@@ -63,3 +63,12 @@ def test_fewest_checkpointed_blocks_edges() -> None:
     args = (LARGE, GPT2_LARGE_PARAMS, 4, 1024, "gpu")
     assert fewest_checkpointed_blocks(*args, cap_gib=1000.0) == 0
     assert fewest_checkpointed_blocks(*args, cap_gib=1.0) is None  # weights alone exceed it
+
+
+def test_none_counts_no_accumulator_and_unknown_modes_are_refused() -> None:
+    none = memory_budget(LARGE, GPT2_LARGE_PARAMS, 4, 1024, 12, "none")
+    gpu = memory_budget(LARGE, GPT2_LARGE_PARAMS, 4, 1024, 12, "gpu")
+    assert none["grad_accumulation_fp32"] == 0
+    assert gpu["total"] - none["total"] == pytest.approx(GPT2_LARGE_PARAMS * 4 / GIB)
+    with pytest.raises(ValueError, match="grad_accumulation"):
+        memory_budget(LARGE, GPT2_LARGE_PARAMS, 4, 1024, 12, "host")
