@@ -34,6 +34,7 @@ fusing is to move half the bytes, and the layers that follow cast their input an
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -129,11 +130,17 @@ def _num_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    """The GPU's SM count (asking the driver costs microseconds of host time per backward)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _backward_programs(rows: int, width_block: int, device: torch.device) -> int:
     """Programs of the backward: enough to fill every SM's warp slots (narrow rows use few
     warps, so more programs), never more than the rows."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         per_sm = max(1, WARPS_PER_SM // _num_warps(width_block))
         return max(1, min(rows, per_sm * sms))
     return max(1, min(rows, INTERPRETER_PROGRAMS))
