@@ -6,8 +6,24 @@ bf16 working weights on the GPU, fp32 master weights and Adam moments on the CPU
     python memory_efficient_gpt2/train.py --quick                           # CPU smoke run, tiny GPT-2
     python memory_efficient_gpt2/train.py --device cuda --baseline          # fwd+bwd: HF, and ours
     python memory_efficient_gpt2/train.py --device cuda --steps 8           # training corpus
-    python memory_efficient_gpt2/train.py --device cuda --fixed-batch --steps 30
+    python memory_efficient_gpt2/train.py --device cuda --fixed-batch --steps 30 --reference adamw
+    python memory_efficient_gpt2/train.py --device cuda --peer torchao      # torchao's offload
     python memory_efficient_gpt2/train.py --device cuda --level 3 --steps 8   # GPT-2-XL, 11 GiB
+
+Data: by default Python's own documentation and source (effdl.data.stdlib_text), tokenized by a
+byte-level BPE of ``--bpe-vocab`` ids trained on it (GPT-2's 50257 by default, so the model keeps
+its shape; built once under ``--cache``), documents separated by ``<bos>``; with
+``--model-path`` the folder's own tokenizer reads that text instead. ``--data FILE`` reads
+WikiText or a parquet, ``--data generated`` the synthetic token stream. The learning rate warms
+up linearly over ``--warmup-steps``, then stays (``--lr-schedule constant``) or decays along a
+cosine to a tenth (``cosine``).
+
+``--reference adamw`` trains the same initial weights on the same batches a second time with
+``torch.optim.AdamW(fused=True)`` on fp32 weights under bf16 autocast, uncapped, with the same
+micro-batches and learning rates, and logs both loss curves and their gap (``equivalence``).
+``--peer torchao`` runs torchao's ``CPUOffloadOptimizer`` instead of ours: Hugging Face's
+GPT-2 with fp32 weights, bf16 autocast and gradient checkpointing, under the same caps, timed
+by the same step code.
 
 ``--checkpoint-layers -1`` checkpoints the fewest blocks whose estimated memory
 (effdl.profiling.memory_budget, with the activation bytes measured on the GPU) fits the cap.
@@ -50,7 +66,10 @@ from effdl.cli import (
     start_run,
 )
 from effdl.data.corpus import CorpusFormatError, read_wikitext
+from effdl.data.parquet import read_text_column
+from effdl.data.stdlib_text import DEFAULT_CACHE, stdlib_bpe, stdlib_corpus
 from effdl.data.token_streams import step_batches, synthetic_stream, text_stream
+from effdl.data.tokenize import BOS_TOKEN, load_hf_tokenizer
 from effdl.models.gpt2 import (
     SHAPES,
     build_gpt2,
@@ -85,12 +104,25 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")  # fmt: skip
 TABLE_COLUMNS = ("step", "loss", "seq_per_s", "peak_gib", "host_rss_gib", "gpu_compute_s",
                  "d2h_s", "h2d_s", "cpu_update_s", "step_wait_s")  # fmt: skip
+PLAIN_COLUMNS = ("step", "lr", "loss", "seq_per_s", "peak_gib", "host_rss_gib")
 BUCKET_NUMEL = 2**25  # parameters per optimizer bucket (a larger tensor gets its own)
 # update_on="device": bytes of the 8-bit step's temporaries per value of a chunk (offload
 # module), and the fp32 copy of a chunk of a bf16 accumulator on top
 DEVICE_STEP_BYTES_PER_VALUE = 40
 DEVICE_STEP_BF16_GRAD_BYTES_PER_VALUE = 4
 ACCUMULATOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GENERATED = "generated"  # --data value of the synthetic token stream
+LR_SCHEDULES = ("constant", "cosine")
+REFERENCES = ("none", "adamw")
+PEERS = ("none", "torchao")
+# equivalence targets: mean |loss gap| per step between ours and the reference, and each run's
+# fall (1 - last / first) on a fixed batch
+MAX_MEAN_GAP_NATS = 0.05
+MIN_FALL = 0.5
+TORCHAO_MISSING = (
+    "--peer torchao needs the torchao package (torchao 0.18): pip install torchao==0.18.0, "
+    "or offline pip install --no-deps torchao-0.18.0-*.whl"
+)
 # memory_budget counts the model's share only: the optimizer's own GPU buffers (accumulator in
 # its dtype, device-update scratch) come from state_placement
 WITHOUT_OPTIMIZER_BUFFERS = "none"
@@ -123,8 +155,11 @@ class TrainConfig:
     checkpoint_layers: int = -1  # -1: the fewest that fit the cap (estimate)
     grad_accumulation: str = "gpu"
     grad_accumulation_dtype: str = "fp32"  # of the "gpu" accumulator
-    lr: float = 1e-4
+    lr: float = 3e-4
+    warmup_steps: int = 5  # linear warm-up from lr / warmup_steps
+    lr_schedule: str = "constant"  # after the warm-up: constant or cosine down to lr / 10
     weight_decay: float = 0.0
+    dropout: float = 0.0
     memory_cap_gib: float = 11.0
     host_memory_cap_gib: float | None = None  # None: no cap on the host's resident set
     moments: str = "fp32"
@@ -134,7 +169,12 @@ class TrainConfig:
     cpu_threads: int | None = None  # None: all cores but two
     size: str = "large"
     model_path: Path | None = None
-    data: Path | None = None
+    data: Path | None = None  # None: the stdlib corpus; Path("generated"): the synthetic stream
+    bpe_vocab: int = 50257  # of the stdlib BPE
+    corpus_bytes: int | None = None  # cap of the stdlib corpus; None: all of it
+    cache: Path = DEFAULT_CACHE
+    reference: str = "none"
+    peer: str = "none"
     baseline_micro_batches: tuple[int, ...] = (4, 8, 16)
     baseline_warmup: int = 2
     baseline_iters: int = 5
@@ -157,7 +197,12 @@ class TrainConfig:
         require_positive(
             self, "steps", "batch", "seq", "micro_batch", "chunk_tokens", "baseline_micro_batches"
         )
-        require_positive(self, "lr", "weight_decay", minimum=0)
+        require_positive(self, "lr", "weight_decay", "warmup_steps", "dropout", minimum=0)
+        require_choices(self, "lr_schedule", LR_SCHEDULES)
+        require_choices(self, "reference", REFERENCES)
+        require_choices(self, "peer", PEERS)
+        self._validate_modes()
+        self._validate_text()
         if self.cpu_threads is not None:
             require_positive(self, "cpu_threads")
         if not self.memory_cap_gib > 0:
@@ -178,9 +223,38 @@ class TrainConfig:
             raise UsageError(f"--seq {self.seq} exceeds GPT-2's {shape.n_positions} positions")
         if self.model_path is not None:
             require_path(self.model_path, MODEL_FOLDER, "--model-path")
-        if self.data is not None:
+        if self.data is not None and not self.synthetic:
             require_path(
-                self.data, "WikiText-103 files or a parquet with a 'text' column", "--data"
+                self.data,
+                f"WikiText-103 files, a parquet with a 'text' column, or '{GENERATED}'",
+                "--data",
+            )
+
+    @property
+    def synthetic(self) -> bool:
+        return self.data is not None and str(self.data) == GENERATED
+
+    def _validate_modes(self) -> None:
+        modes = [f for f, on in (("--baseline", self.baseline), ("--reference", self.reference
+                 != "none"), ("--peer", self.peer != "none")) if on]  # fmt: skip
+        if len(modes) > 1:
+            raise UsageError(f"{' and '.join(modes)} are separate runs: give one of them")
+        if not self.dropout < 1:
+            raise UsageError(f"--dropout must be < 1, got {self.dropout}")
+        if self.reference != "none" and self.weight_decay:
+            raise UsageError(
+                "--reference adamw needs --weight-decay 0: ours is Adam with L2 decay, the "
+                "reference AdamW decays decoupled (the same update only without decay)"
+            )
+
+    def _validate_text(self) -> None:
+        require_positive(self, "bpe_vocab", minimum=259)  # 256 bytes and 3 special tokens
+        if self.corpus_bytes is not None:
+            require_positive(self, "corpus_bytes")
+        vocab = SHAPES[self.size].vocab_size
+        if self.data is None and self.model_path is None and self.bpe_vocab > vocab:
+            raise UsageError(
+                f"--bpe-vocab {self.bpe_vocab} exceeds the {vocab} ids of --size {self.size}"
             )
 
 
@@ -191,7 +265,10 @@ QUICK = TrainConfig(
     seq=64,
     micro_batch=2,
     lr=1e-3,
+    warmup_steps=1,
     size="tiny",
+    bpe_vocab=512,
+    corpus_bytes=1 << 20,
     baseline_micro_batches=(2, 4),
     baseline_warmup=1,
     baseline_iters=2,
@@ -223,8 +300,11 @@ def parse_args() -> tuple[argparse.Namespace, TrainConfig]:
         choices=sorted(ACCUMULATOR_DTYPES),
         help="dtype of the GPU gradient accumulator (bf16: half the bytes, one rounding per add)",
     )
-    flags.add("lr", type=float)
+    flags.add("lr", type=float, help="peak learning rate, after the warm-up")
+    flags.add("warmup_steps", type=int, help="steps of linear lr warm-up")
+    flags.add("lr_schedule", choices=LR_SCHEDULES, help="after the warm-up (cosine: to lr / 10)")
     flags.add("weight_decay", type=float)
+    flags.add("dropout", type=float, help="of every GPT-2 dropout layer")
     flags.add("memory_cap_gib", type=float, help="peak GPU memory allowed")
     flags.add(
         "host_memory_cap_gib",
@@ -247,7 +327,24 @@ def parse_args() -> tuple[argparse.Namespace, TrainConfig]:
     flags.add("cpu_threads", type=int, help="threads of the CPU update; None = cores - 2")
     flags.add("size", choices=sorted(SHAPES))
     flags.add("model_path", type=Path, help="local HF GPT-2 folder")
-    flags.add("data", type=Path, help="text file (e.g. wiki.train.raw); None = synthetic")
+    flags.add(
+        "data",
+        type=Path,
+        help=f"WikiText file/folder or parquet; '{GENERATED}' = synthetic; None = stdlib corpus",
+    )
+    flags.add("bpe_vocab", type=int, help="ids of the BPE trained on the stdlib corpus")
+    flags.add("corpus_bytes", type=int, help="cap of the stdlib corpus; None = all of it")
+    flags.add("cache", type=Path, help="folder of the stdlib corpus and its BPE")
+    flags.add(
+        "reference",
+        choices=REFERENCES,
+        help="adamw: after our run, the same steps with torch AdamW (fp32 + bf16 autocast)",
+    )
+    flags.add(
+        "peer",
+        choices=PEERS,
+        help="torchao: torchao's CPUOffloadOptimizer on HF GPT-2 instead of ours",
+    )
     flags.add("baseline_micro_batches", type=int, nargs="+")
     args = p.parse_args()
     apply_level(args)
@@ -357,22 +454,65 @@ def checkpoint_weights(folder: Path) -> set[str]:
 
 
 def load_model(cfg: TrainConfig, fast_gelu: bool = True) -> torch.nn.Module:
-    """The GPT-2 to train: random init for ``--size``, or ``--model-path``'s weights."""
+    """The GPT-2 to train, fp32 on the CPU: random init for ``--size`` (drawn from the torch
+    seed of the moment), or ``--model-path``'s weights; every dropout layer at ``--dropout``."""
     from safetensors import SafetensorError
 
-    config = gpt2_config(cfg.size, fast_gelu=fast_gelu)
+    config = gpt2_config(cfg.size, fast_gelu=fast_gelu, dropout=cfg.dropout)
     try:
-        return build_gpt2(config, cfg.model_path, fast_gelu=fast_gelu)
+        model = build_gpt2(config, cfg.model_path, fast_gelu=fast_gelu)
     except (OSError, SafetensorError) as e:  # e.g. weights truncated past their header
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UsageError(f"--model-path: cannot load {cfg.model_path} ({msg})") from None
+    for module in model.modules():  # a pretrained config brings its own rates
+        if isinstance(module, torch.nn.Dropout):
+            module.p = cfg.dropout
+    return model
 
 
-def make_batches(cfg: TrainConfig, vocab: int, seed: int) -> list[torch.Tensor]:
-    """One (batch, seq) int64 tensor per step (the same one with --fixed-batch), from the
-    synthetic stream or ``--data`` read as the other scripts read it (checked in full)."""
+def initial_model(cfg: TrainConfig, seed: int, fast_gelu: bool = True) -> torch.nn.Module:
+    """:func:`load_model` with the torch seed set to ``seed`` first: every run of one
+    invocation (ours, the reference) starts from the same weights."""
+    torch.manual_seed(seed)
+    return load_model(cfg, fast_gelu)
+
+
+def model_tokenizer(cfg: TrainConfig) -> str:
+    """What :func:`text_stream` tokenizes with, given ``--model-path`` (or none): the folder's
+    ``tokenizer.json``, else the UTF-8 bytes."""
+    folder = cfg.model_path
+    return str(folder) if folder and (folder / "tokenizer.json").is_file() else "utf-8 bytes"
+
+
+def stdlib_text(cfg: TrainConfig) -> tuple[list[str], Path, int | None, dict[str, str]]:
+    """The stdlib corpus's training documents, the tokenizer folder that reads them (the stdlib
+    BPE, or ``--model-path``'s), the id put before each document (``<bos>`` of the BPE; none
+    with another tokenizer), and the names the records give them."""
+    corpus = stdlib_corpus(cfg.cache, max_bytes=cfg.corpus_bytes)
+    docs = read_text_column(corpus.train).to_pylist()
+    if cfg.model_path is not None:
+        return docs, cfg.model_path, None, {"data": corpus.name, "tokenizer": model_tokenizer(cfg)}
+    folder = stdlib_bpe(corpus, cfg.bpe_vocab)
+    bos = load_hf_tokenizer(folder).token_to_id(BOS_TOKEN)
+    return docs, folder, bos, {"data": corpus.name, "tokenizer": folder.name}
+
+
+def make_batches(
+    cfg: TrainConfig, vocab: int, seed: int
+) -> tuple[list[torch.Tensor], dict[str, str]]:
+    """One (batch, seq) int64 tensor per step (the same one with --fixed-batch), and the names
+    of the data and tokenizer for the records: the stdlib corpus by default, the synthetic
+    stream for ``--data generated``, else ``--data`` read as the other scripts read it (checked
+    in full)."""
     if cfg.data is None:
+        docs, tokenizer_dir, bos, names = stdlib_text(cfg)
+        stream = functools.partial(
+            text_stream, docs, vocab=vocab, tokenizer_dir=tokenizer_dir, source=names["data"],
+            bos_id=bos,
+        )  # fmt: skip
+    elif cfg.synthetic:
         stream = functools.partial(synthetic_stream, vocab=vocab, seed=seed)
+        names = {"data": "synthetic", "tokenizer": "none"}
     else:
         try:
             lines = read_wikitext(cfg.data)
@@ -383,10 +523,29 @@ def make_batches(cfg: TrainConfig, vocab: int, seed: int) -> list[torch.Tensor]:
         stream = functools.partial(
             text_stream, lines, vocab=vocab, tokenizer_dir=cfg.model_path, source=cfg.data
         )
+        names = {"data": str(cfg.data), "tokenizer": model_tokenizer(cfg)}
     try:
-        return step_batches(stream, cfg.steps, cfg.batch, cfg.seq, fixed=cfg.fixed_batch)
+        batches = step_batches(stream, cfg.steps, cfg.batch, cfg.seq, fixed=cfg.fixed_batch)
     except CorpusFormatError as e:
         raise UsageError(f"--data: {e}") from None
+    return batches, names
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of ``step`` (0-based): ``lr * (step + 1) / warmup_steps`` during the
+    warm-up, then ``lr`` (constant) or a cosine from ``lr`` down to ``lr / 10`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(opt, lr: float) -> None:
+    """Give every parameter group of ``opt`` the learning rate ``lr``."""
+    for group in opt.param_groups:
+        group["lr"] = lr
 
 
 # ----------------------------------------------------------------------------------- baseline
@@ -421,7 +580,7 @@ def time_fwd_bwd(
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         return None
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else math.nan
+    peak = gpu_peak_gib(device)
     return {
         "micro_batch": micro_batch,
         "seq_per_s": micro_batch / stats.median,
@@ -532,8 +691,11 @@ def pick_checkpoint_layers(
     return n
 
 
-def run_config(cfg: TrainConfig, n_params: int, ckpt: int, threads: int) -> dict:
-    """The ``config`` of every record of an offloaded run."""
+def run_config(
+    cfg: TrainConfig, n_params: int, ckpt: int, threads: int, data: dict[str, str]
+) -> dict:
+    """The ``config`` of every record of an offloaded run (``data``: :func:`make_batches`'s
+    names of the data set and tokenizer)."""
     return {
         "size": cfg.size,
         "n_params": n_params,
@@ -545,6 +707,9 @@ def run_config(cfg: TrainConfig, n_params: int, ckpt: int, threads: int) -> dict
         "grad_accumulation": cfg.grad_accumulation,
         "grad_accumulation_dtype": cfg.grad_accumulation_dtype,
         "lr": cfg.lr,
+        "warmup_steps": cfg.warmup_steps,
+        "lr_schedule": cfg.lr_schedule,
+        "dropout": cfg.dropout,
         "cpu_threads": threads,
         "memory_cap_gib": cfg.memory_cap_gib,
         "host_memory_cap_gib": cfg.host_memory_cap_gib,
@@ -552,7 +717,7 @@ def run_config(cfg: TrainConfig, n_params: int, ckpt: int, threads: int) -> dict
         "update_on": cfg.update_on,
         "level": cfg.level,
         "chunk_tokens": cfg.chunk_tokens,
-        "data": str(cfg.data) if cfg.data else "synthetic",
+        **data,
         "pretrained": cfg.model_path is not None,
     }
 
@@ -665,6 +830,11 @@ def log_budget(
     return metrics
 
 
+def gpu_peak_gib(device: torch.device) -> float:
+    """``torch.cuda.max_memory_allocated`` in GiB (``nan`` off CUDA)."""
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else math.nan
+
+
 def host_rss_gib() -> float:
     """The process's resident set now (pinned host buffers included), in GiB."""
     return psutil.Process().memory_info().rss / GIB
@@ -692,19 +862,46 @@ def check_memory_caps(cfg: TrainConfig, when: str, peak_gib: float, rss_gib: flo
         )
 
 
+def start_step(device: torch.device) -> float:
+    """The start of a timed step: the GPU's peak memory statistic reset, the clock read."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return time.perf_counter()
+
+
+def step_metrics(
+    cfg: TrainConfig, device: torch.device, t0: float, losses: list[torch.Tensor], lr: float
+) -> dict:
+    """What every timed step records, ours or another optimizer's: the summed micro-batch
+    ``losses`` (read once: the step's one sync, after the optimizer's work was queued), wall time
+    since ``t0``, sequences per second, peak GPU memory, the host's resident set, the lr."""
+    loss_value = float(torch.stack(losses).sum())
+    wall = time.perf_counter() - t0
+    peak_gib = gpu_peak_gib(device)
+    return {
+        "loss": loss_value,
+        "lr": lr,
+        "step_s": wall,
+        "seq_per_s": cfg.batch / wall,
+        "peak_gib": peak_gib,
+        "host_rss_gib": host_rss_gib(),
+    }
+
+
 def train_step(
     model: torch.nn.Module,
     opt: CPUOffloadAdam,
     batch: torch.Tensor,
     cfg: TrainConfig,
     device: torch.device,
+    lr: float,
 ) -> dict:
-    """One optimizer step over ``batch`` in micro-batches; wall time, loss and timeline totals."""
+    """One optimizer step at ``lr`` over ``batch`` in micro-batches; :func:`step_metrics` and the
+    timeline totals."""
     n_micro = cfg.batch // cfg.micro_batch
     opt.timeline.reset()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
+    set_lr(opt, lr)  # before the final backward: buckets are updated inside it
+    t0 = start_step(device)
     losses = []
     for i, mb in enumerate(batch.split(cfg.micro_batch)):
         start = opt.timeline.mark()
@@ -715,31 +912,53 @@ def train_step(
     t_step = time.perf_counter()
     opt.step()
     opt.timeline.add("step_wait", -1, t_step, time.perf_counter())
-    loss_value = float(torch.stack(losses).sum())  # the one sync per step
-    wall = time.perf_counter() - t0
-    peak_gib = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else math.nan
+    metrics = step_metrics(cfg, device, t0, losses, lr)
     totals = opt.timeline.totals()
-    return {
-        "loss": loss_value,
-        "step_s": wall,
-        "seq_per_s": cfg.batch / wall,
-        "peak_gib": peak_gib,
-        "host_rss_gib": host_rss_gib(),
-        **{f"{kind}_s": totals.get(kind, 0.0) for kind in TIMELINE_KINDS},
-    }
+    return {**metrics, **{f"{kind}_s": totals.get(kind, 0.0) for kind in TIMELINE_KINDS}}
+
+
+def plain_step(
+    opt: torch.optim.Optimizer,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    batch: torch.Tensor,
+    cfg: TrainConfig,
+    device: torch.device,
+    lr: float,
+) -> dict:
+    """One step of an optimizer that steps after backward (torch's AdamW, torchao's offload):
+    the same micro-batches as :func:`train_step`, gradients summed in ``.grad``, then
+    ``opt.step()`` at ``lr``; :func:`step_metrics`."""
+    n_micro = cfg.batch // cfg.micro_batch
+    t0 = start_step(device)
+    losses = []
+    for mb in batch.split(cfg.micro_batch):
+        loss = loss_of(mb.to(device, non_blocking=True)) / n_micro
+        loss.backward()
+        losses.append(loss.detach())
+    set_lr(opt, lr)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return step_metrics(cfg, device, t0, losses, lr)
 
 
 def run_offload(
-    cfg: TrainConfig, batches: list[torch.Tensor], device: torch.device, log: RunLog
-) -> tuple[list[dict], dict]:
-    """Train on ``batches`` with CPUOffloadAdam under the memory caps; one record per step,
-    then a summary (returns the step metrics and the summary's). Both caps are checked after set-up (before any record) and after every
-    step (before its record): past one, :class:`MemoryCapExceeded`."""
+    cfg: TrainConfig,
+    batches: list[torch.Tensor],
+    device: torch.device,
+    log: RunLog,
+    seed: int,
+    data: dict[str, str],
+) -> tuple[list[dict], dict, dict]:
+    """Train on ``batches`` with CPUOffloadAdam under the memory caps from the weights of
+    ``seed``; one record per step, then a summary (returns the step metrics, the summary's and
+    the records' config).
+    Both caps are checked after set-up (before any record) and after every step (before its
+    record): past one, :class:`MemoryCapExceeded`."""
     cuda = device.type == "cuda"
     if cuda:
         set_memory_cap(device, cfg.memory_cap_gib)
     threads = resolve_cpu_threads(cfg.cpu_threads)
-    model = load_model(cfg).train()
+    model = initial_model(cfg, seed).train()
     n_params = count_params(model)
     buckets = largest_buckets([p.numel() for p in model.parameters()])
     opt = CPUOffloadAdam(
@@ -758,14 +977,14 @@ def run_offload(
     model.to(device)  # buffers; parameters are already bf16 working copies on the device
     static_gib = torch.cuda.memory_allocated(device) / GIB if cuda else math.nan
     act_bytes = measure_activation_bytes(model, opt, device, cfg) if cuda else None
-    setup_peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else math.nan
+    setup_peak = gpu_peak_gib(device)
     rss_peak = host_rss_gib()
     check_memory_caps(cfg, "after set-up", setup_peak, rss_peak)
     state = state_placement(n_params, buckets, cfg)
     ckpt = pick_checkpoint_layers(cfg, n_params, act_bytes, optimizer_gpu_gib(state))
     checkpoint_blocks(model, ckpt)
     opt.timeline.enabled = True
-    config = run_config(cfg, n_params, ckpt, threads)
+    config = run_config(cfg, n_params, ckpt, threads, data)
     measured = {
         "measured_static_gib": static_gib,
         "measured_setup_host_rss_gib": rss_peak,
@@ -775,7 +994,7 @@ def run_offload(
     variant = "fixed_batch" if cfg.fixed_batch else "corpus"
     rows = []
     for step, batch in enumerate(tqdm(batches, desc=variant, unit="step")):
-        metrics = {"step": step, **train_step(model, opt, batch, cfg, device)}
+        metrics = {"step": step, **train_step(model, opt, batch, cfg, device, lr_at(step, cfg))}
         rss_peak = max(rss_peak, metrics["host_rss_gib"])
         metrics["host_rss_peak_gib"] = rss_peak
         check_memory_caps(cfg, f"step {step}", metrics["peak_gib"], metrics["host_rss_gib"])
@@ -786,7 +1005,7 @@ def run_offload(
     opt.close()
     summary = summarize(rows, cfg.fixed_batch, budget)
     log.log(f"{variant}_summary", config, summary)
-    return rows, summary
+    return rows, summary, config
 
 
 def median(values: list[float]) -> float:
@@ -795,22 +1014,18 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def summarize(rows: list[dict], fixed_batch: bool, budget: dict) -> dict:
-    """Median speed and step time split past the first step (it pays the warm-up), peak GPU
-    memory and host resident set beside the budget's totals, loss drop."""
+def speed_summary(rows: list[dict], fixed_batch: bool) -> dict:
+    """What every run's summary holds: median speed and step time past the first step (it pays
+    the warm-up), peak GPU memory and host resident set, loss drop."""
     timed = rows[1:] or rows
     first, last = rows[0]["loss"], rows[-1]["loss"]
     metrics = {
         "steps": len(rows),
         "seq_per_s_median": median([r["seq_per_s"] for r in timed]),
         "step_s_median": median([r["step_s"] for r in timed]),
-        **{f"{k}_s_median": median([r[f"{k}_s"] for r in timed]) for k in TIMELINE_KINDS},
         "peak_gib_max": max(r["peak_gib"] for r in rows),
-        "gpu_budget_gib": budget["gpu_total_gib"],
-        "host_rss_peak_gib": rows[-1]["host_rss_peak_gib"],
+        "host_rss_peak_gib": max(r["host_rss_gib"] for r in rows),
         "host_rss_high_water_gib": host_rss_high_water_gib(),
-        "host_budget_gib": budget["host_total_gib"],
-        "state": budget["state"],
         "loss_first": first,
         "loss_last": last,
         "loss_drop": 1.0 - last / first,
@@ -820,11 +1035,164 @@ def summarize(rows: list[dict], fixed_batch: bool, budget: dict) -> dict:
     return metrics
 
 
+def summarize(rows: list[dict], fixed_batch: bool, budget: dict) -> dict:
+    """:func:`speed_summary` with the step time split's medians, the host resident set's peak
+    since set-up, and the budget's totals beside the measured peaks."""
+    timed = rows[1:] or rows
+    return {
+        **speed_summary(rows, fixed_batch),
+        **{f"{k}_s_median": median([r[f"{k}_s"] for r in timed]) for k in TIMELINE_KINDS},
+        "gpu_budget_gib": budget["gpu_total_gib"],
+        "host_rss_peak_gib": rows[-1]["host_rss_peak_gib"],
+        "host_budget_gib": budget["host_total_gib"],
+        "state": budget["state"],
+    }
+
+
+# ----------------------------------------------------------------------------------- others
+def run_plain(
+    variant: str,
+    opt: torch.optim.Optimizer,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    batches: list[torch.Tensor],
+    cfg: TrainConfig,
+    device: torch.device,
+    log: RunLog,
+    config: dict,
+    capped: bool,
+) -> list[dict]:
+    """Train on ``batches`` with :func:`plain_step`, one ``variant`` record per step and a
+    ``<variant>_summary`` (:func:`speed_summary`); with ``capped``, both memory caps are checked
+    after every step, before its record, as in our run."""
+    rows = []
+    for step, batch in enumerate(tqdm(batches, desc=variant, unit="step")):
+        metrics = {"step": step, **plain_step(opt, loss_of, batch, cfg, device, lr_at(step, cfg))}
+        if capped:
+            check_memory_caps(cfg, f"step {step}", metrics["peak_gib"], metrics["host_rss_gib"])
+        log.log(variant, config, metrics)
+        rows.append(metrics)
+    log.log(f"{variant}_summary", config, speed_summary(rows, cfg.fixed_batch))
+    return rows
+
+
+def autocast_lm_loss(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Our chunked loss under bf16 autocast (fp32 weights, bf16 matmuls)."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        return lm_loss(model, ids, chunk_tokens)
+
+
+def run_reference(
+    cfg: TrainConfig,
+    batches: list[torch.Tensor],
+    device: torch.device,
+    log: RunLog,
+    seed: int,
+    config: dict,
+) -> list[dict]:
+    """The same model from the same initial weights (``seed``) trained on ``batches`` by
+    ``torch.optim.AdamW(fused=True)``: fp32 weights on ``device``, bf16 autocast, no memory cap
+    and no checkpointing, the same micro-batches and learning rates as ours (records
+    ``reference_adamw``)."""
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    model = initial_model(cfg, seed).to(device).train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
+    )
+    loss_of = functools.partial(autocast_lm_loss, model, chunk_tokens=cfg.chunk_tokens)
+    ref_config = {**config, "optimizer": "torch.optim.AdamW(fused=True)", "weights": "fp32",
+                  "amp": "bf16", "checkpoint_layers": 0, "memory_cap_gib": None}  # fmt: skip
+    return run_plain("reference_adamw", opt, loss_of, batches, cfg, device, log, ref_config, False)
+
+
+def equivalence_summary(ours: list[dict], reference: list[dict]) -> dict:
+    """Both loss curves, their |gap| per step with its mean and max, each run's fall
+    (1 - last / first), and the pass flags against :data:`MAX_MEAN_GAP_NATS` and
+    :data:`MIN_FALL`."""
+    loss_ours = [r["loss"] for r in ours]
+    loss_ref = [r["loss"] for r in reference]
+    gap = [abs(a - b) for a, b in zip(loss_ours, loss_ref, strict=True)]
+    fall_ours = 1.0 - loss_ours[-1] / loss_ours[0]
+    fall_ref = 1.0 - loss_ref[-1] / loss_ref[0]
+    mean_gap = sum(gap) / len(gap)
+    return {
+        "steps": len(gap),
+        "lr": [r["lr"] for r in ours],
+        "loss_ours": loss_ours,
+        "loss_reference": loss_ref,
+        "abs_gap": gap,
+        "mean_abs_gap": mean_gap,
+        "max_abs_gap": max(gap),
+        "fall_ours": fall_ours,
+        "fall_reference": fall_ref,
+        "max_mean_gap_nats": MAX_MEAN_GAP_NATS,
+        "min_fall": MIN_FALL,
+        "gap_ok": mean_gap <= MAX_MEAN_GAP_NATS,
+        "fall_ok": min(fall_ours, fall_ref) >= MIN_FALL,
+        "passed": mean_gap <= MAX_MEAN_GAP_NATS and min(fall_ours, fall_ref) >= MIN_FALL,
+    }
+
+
+def import_torchao_offload():
+    """torchao's ``CPUOffloadOptimizer`` class and torchao's version; :class:`UsageError`
+    naming the package when it is not installed."""
+    try:
+        import torchao
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        raise UsageError(TORCHAO_MISSING) from None
+    return CPUOffloadOptimizer, torchao.__version__
+
+
+def run_torchao_peer(
+    cfg: TrainConfig,
+    batches: list[torch.Tensor],
+    device: torch.device,
+    log: RunLog,
+    seed: int,
+    data: dict[str, str],
+) -> tuple[list[dict], dict]:
+    """torchao's ``CPUOffloadOptimizer`` (AdamW, fused, on the CPU) training Hugging Face's
+    ``GPT2LMHeadModel`` (``gelu_new``, its own full-logits loss) with fp32 weights and
+    gradients on the GPU, bf16 autocast and gradient checkpointing in every block, on
+    ``batches`` in our micro-batches, under our caps set the same way; records ``torchao``
+    per step and ``torchao_summary`` (returns the step metrics and the summary's)."""
+    offload_class, version = import_torchao_offload()
+    if device.type == "cuda":
+        set_memory_cap(device, cfg.memory_cap_gib)
+    model = initial_model(cfg, seed, fast_gelu=False).to(device).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = offload_class(
+        model.parameters(), torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
+    check_memory_caps(cfg, "after set-up", gpu_peak_gib(device), host_rss_gib())
+    config = {
+        "size": cfg.size, "n_params": count_params(model), "seq": cfg.seq, "batch": cfg.batch,
+        "micro_batch": cfg.micro_batch, "n_micro": cfg.batch // cfg.micro_batch,
+        "checkpoint_layers": SHAPES[cfg.size].n_layer, "lr": cfg.lr,
+        "warmup_steps": cfg.warmup_steps, "lr_schedule": cfg.lr_schedule, "dropout": cfg.dropout,
+        "cpu_threads": torch.get_num_threads(), "memory_cap_gib": cfg.memory_cap_gib,
+        "host_memory_cap_gib": cfg.host_memory_cap_gib, **data,
+        "pretrained": cfg.model_path is not None,
+        "optimizer": f"torchao {version} CPUOffloadOptimizer(AdamW fused)", "weights": "fp32",
+        "amp": "bf16",
+    }  # fmt: skip
+    loss_of = functools.partial(hf_loss, model, amp_dtype=torch.bfloat16)
+    rows = run_plain("torchao", opt, loss_of, batches, cfg, device, log, config, True)
+    return rows, speed_summary(rows, cfg.fixed_batch)
+
+
 def main() -> None:
     args, cfg = parse_args()
     # Every input is checked before the log is opened: a refused run leaves no record.
     model_config = check_model_folder(cfg) or gpt2_config(cfg.size)
-    batches = None if cfg.baseline else make_batches(cfg, model_config.vocab_size, args.seed)
+    if cfg.peer == "torchao":
+        import_torchao_offload()
+    if cfg.baseline:
+        batches, data = None, None
+    else:
+        batches, data = make_batches(cfg, model_config.vocab_size, args.seed)
     run = start_run(args, task=TASK, logs="gpt2.jsonl")
     if cfg.update_on == "device" and run.device.type != "cuda" and not cfg.baseline:
         raise UsageError(
@@ -835,7 +1203,13 @@ def main() -> None:
         rows = run_baseline(cfg, run.device, run.log)
         print_table(rows, title=f"Baseline fwd+bwd on {run.where} (log: {run.log.path})")
         return
-    rows, summary = run_offload(cfg, batches, run.device, run.log)
+    if cfg.peer == "torchao":
+        rows, summary = run_torchao_peer(cfg, batches, run.device, run.log, args.seed, data)
+        table = [{k: r[k] for k in PLAIN_COLUMNS} for r in rows]
+        print_table(table, title=f"torchao CPUOffloadOptimizer on {run.where} ({data['data']})")
+        print(f"{summary['seq_per_s_median']:.2f} seq/s, peak {summary['peak_gib_max']:.3f} GiB")
+        return
+    rows, summary, config = run_offload(cfg, batches, run.device, run.log, args.seed, data)
     table = [{k: r[k] for k in TABLE_COLUMNS} for r in rows]
     print_table(table, title=f"CPU-offloaded Adam on {run.where} (log: {run.log.path})")
     state = [{**r, "gib": r["bytes"] / GIB} for r in summary["state"]]
@@ -848,6 +1222,19 @@ def main() -> None:
     if cfg.fixed_batch:
         drop = 1.0 - rows[-1]["loss"] / rows[0]["loss"]
         print(f"fixed batch: loss fell by {drop:.1%} in {len(rows)} steps (target >= 50%)")
+    if cfg.reference == "adamw":
+        reference = run_reference(cfg, batches, run.device, run.log, args.seed, config)
+        eq = equivalence_summary(rows, reference)
+        run.log.log("equivalence", config, eq)
+        table = [{"step": r["step"], "lr": r["lr"], "ours": r["loss"], "reference": ref["loss"],
+                  "gap": gap} for r, ref, gap in zip(rows, reference, eq["abs_gap"], strict=True)]  # fmt: skip
+        print_table(table, title=f"Equivalence with torch AdamW ({data['data']})")
+        print(
+            f"mean |gap| {eq['mean_abs_gap']:.4f} nats (max {eq['max_abs_gap']:.4f}; target <= "
+            f"{MAX_MEAN_GAP_NATS}); fall ours {eq['fall_ours']:.1%}, reference "
+            f"{eq['fall_reference']:.1%} (target >= {MIN_FALL:.0%}): "
+            f"{'PASS' if eq['passed'] else 'FAIL'}"
+        )
 
 
 if __name__ == "__main__":

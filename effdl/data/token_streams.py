@@ -38,14 +38,17 @@ def text_stream(
     vocab: int,
     tokenizer_dir: Path | None = None,
     source: str | Path = "text",
+    bos_id: int | None = None,
 ) -> Tensor:
     """The first ``n_tokens`` token ids of ``lines`` (read by :func:`effdl.data.corpus.read_wikitext`
     or any reader of text lines), int64.
 
     Tokenized with ``tokenizer_dir/tokenizer.json`` (a Hugging Face tokenizer) if that file
     exists, else as the UTF-8 bytes of each line and its newline (ids < 256: crude, but needs no
-    download). Raises :class:`CorpusFormatError` naming ``source`` if the lines give too few
-    tokens or ids outside ``vocab``.
+    download). With ``bos_id``, that id goes before every line (documents kept apart, as
+    :class:`effdl.data.parquet.IterableParquetDataset` packs them). Raises
+    :class:`CorpusFormatError` naming ``source`` if the lines give too few tokens or ids outside
+    ``vocab``.
     """
     tok_file = tokenizer_dir / "tokenizer.json" if tokenizer_dir is not None else None
     if tok_file is not None and tok_file.is_file():
@@ -60,9 +63,10 @@ def text_stream(
         def encode(line: str) -> list[int]:
             return list((line + "\n").encode("utf-8"))
 
+    prefix = [] if bos_id is None else [bos_id]
     ids: list[int] = []
     for line in lines:
-        ids += encode(line)
+        ids += prefix + encode(line)
         if len(ids) >= n_tokens:
             break
     if len(ids) < n_tokens:

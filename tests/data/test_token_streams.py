@@ -83,3 +83,8 @@ def test_step_batches_fixed_repeats_the_first() -> None:
     batches = step_batches(torch.arange, steps=3, batch=2, seq=4, fixed=True)
     assert len(batches) == 3
     assert all(torch.equal(b, torch.arange(8).view(2, 4)) for b in batches)
+
+
+def test_text_stream_puts_bos_before_every_line() -> None:
+    tokens = text_stream(["ab", "c"], 5, vocab=256, bos_id=1)
+    assert tokens.tolist() == [1, *b"ab\n", 1]
