@@ -409,9 +409,9 @@ class FakeCuda:
         self.syncs = 0
         self.records = 0
 
-    def event(self, enable_timing: bool) -> object:
+    def event(self, device: torch.device, enable_timing: bool) -> object:
         cuda = self
-        assert enable_timing
+        assert device.type == "cuda" and enable_timing
 
         class Event:
             def record(self, stream: object = None) -> None:
@@ -435,7 +435,7 @@ def test_cuda_events_of_warmup_steps_are_reused_once_each(
     """Stamps shared by several spans go back to the pool once: an event handed out twice
     would time two moments with one (the first overwritten, spans of negative length)."""
     fake = FakeCuda()
-    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch, "Event", fake.event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "current stream")
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     with Profile(net, device="cuda", schedule=Schedule(wait=0, warmup=2, active=2)) as prof:
@@ -456,7 +456,7 @@ def test_cuda_stamps_sync_once_when_read_never_in_hooks(
     net: Net, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake = FakeCuda()
-    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch, "Event", fake.event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "current stream")
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     with Profile(net, device="cuda") as prof:
