@@ -9,6 +9,7 @@ import itertools
 import json
 import statistics
 import time
+import weakref
 from collections import Counter
 
 import pytest
@@ -326,6 +327,26 @@ def test_hooks_are_on_only_in_warmup_and_record_steps(net: Net, x: torch.Tensor)
     assert [s.step for s in prof.spans() if s.kind == "step"] == [2]
     losses[2].backward()  # the recorded graph's hooks outlive the block, and do nothing
     assert {s.step for s in prof.spans()} == {2}
+
+
+def test_a_parent_returning_its_childs_output_shares_its_start_and_holds_no_graph() -> None:
+    """The model's backward starts with the stamp of its last layer (whose output it returns),
+    and once the forward has returned the profile holds none of the graph: a forward whose
+    output is dropped frees its activations."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(2, 4)
+    hidden: list[weakref.ref] = []
+    model[0].register_forward_hook(lambda _m, _a, out: hidden.append(weakref.ref(out)))
+    with Profile(model) as prof:
+        model(x).sum().backward()
+        prof.step()
+        out = model(x)
+        assert hidden[-1]() is not None  # saved for the second layer's backward
+        del out
+        assert hidden[-1]() is None
+    bwd = {s.path: s for s in prof.spans() if s.kind == "backward"}
+    assert bwd["model"].start_ns == bwd["1"].start_ns
+    assert bwd["model"].end_ns >= bwd["0"].end_ns >= bwd["1"].end_ns
 
 
 def test_a_second_backward_through_the_graph_gets_its_own_spans(net: Net, x: torch.Tensor) -> None:
