@@ -3,8 +3,10 @@
 A stack of ``--layers`` tiny Linear layers on a tiny batch, so a bare training step (forward,
 backward) is nearly all host time and the difference with Profile recording every step is the
 hooks' own cost. Bare and profiled steps alternate in ``--rounds`` rounds; the medians give the
-cost per module call (forward and backward of one module). ``--cprofile N`` prints the N
-functions with the most own time over a profiled round instead. Writes nothing.
+cost per module call (forward and backward of one module). ``--device cuda`` stamps with CUDA
+events (the host time per step is still what is measured: the tiny kernels never make the host
+wait). ``--cprofile N`` prints the N functions with the most own time over a profiled round
+instead. Writes nothing.
 
     python task3_vit_profiling/probes/layer_profiler_host_cost.py
 """
@@ -45,12 +47,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=100)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=50, help="steps per round")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--cprofile", type=int, default=0, help="print this many cProfile rows")
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(args.layers)))
-    x = torch.randn(2, 4)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(args.layers))).to(args.device)
+    x = torch.randn(2, 4, device=args.device)
     modules = len(list(model.modules()))
     step_times_us(model, x, args.steps, None)  # warm-up
     if args.cprofile:
@@ -64,7 +67,7 @@ def main() -> None:
         with Profile(model) as prof:
             hooked += step_times_us(model, x, args.steps, prof)
     b, h = statistics.median(bare), statistics.median(hooked)
-    print(f"{modules} modules hooked: bare step {b:.1f} us, profiled {h:.1f} us, "
+    print(f"{args.device}: {modules} modules hooked: bare step {b:.1f} us, profiled {h:.1f} us, "
           f"{(h - b) / modules:.2f} us per module call (forward + backward)")  # fmt: skip
 
 
