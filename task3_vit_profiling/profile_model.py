@@ -15,12 +15,17 @@ consecutive batches of one loader, with the same wait/warmup/active schedule. Wr
 
 The same log also gets, per run: ``range`` records (host time of each named range per active
 iteration, and the device time of the kernels launched inside it: data loading against GPU work,
-from the trace); on one resident batch of ``--compare-batch-size`` images (default: the
-pipeline's batch; the fixed ViT at batch 256 is bound by the host's kernel launches, so its
+from the trace). Then the loader is stopped (its workers would compete for the host's cores) and,
+on resident batches already on the device: on one of ``--compare-batch-size`` images (default:
+the pipeline's batch; the fixed ViT at batch 256 is bound by the host's kernel launches, so its
 per-layer GPU times mean little: a larger batch keeps the GPU busy), ``layer_compare`` records
-(each module's forward: Profile's CUDA-event time per call against the device time of the kernels
-torch.profiler finds in its range, same schedule) and ``overhead`` records (median step time with
-Profile recording every step against the bare step, in interleaved rounds, at the pipeline's
+(each module's forward: Profile's CUDA-event time per call against torch.profiler's, both the
+device time of the kernels launched inside the module's range and the range's span on the GPU
+timeline, same schedule), with ``config.comparison`` ``same_iterations`` (both profilers record
+the same iterations: one execution) or ``separate_passes`` (torch.profiler's pass, then
+Profile's), and per comparison a ``layer_agreement`` record (share of the modules over 1 ms whose
+times agree within 10%, against either reference); and ``overhead`` records (median step time
+with Profile recording every step against the bare step, in interleaved rounds, at the pipeline's
 batch and the comparison batch, hooking every module and hooking modules to ``--shallow-depth``).
 
     python task3_vit_profiling/profile_model.py --quick --pipeline fixed            # CPU
@@ -83,6 +88,12 @@ def endless(loader) -> Iterator:
     """The loader's batches, pass after pass."""
     while True:
         yield from loader
+
+
+def stop_loader(batches: Iterator) -> None:
+    """Close :func:`endless` and with it the loader's iterator, whose workers exit: they would
+    go on decoding prefetched batches on the host's cores while the overhead is measured."""
+    batches.close()
 
 
 def run_iterations(trainer: vp.Trainer, batches: Iterator, n: int, step: Callable[[], None]):
@@ -225,26 +236,54 @@ def range_records(prof, active: int) -> list[dict]:
     return out
 
 
-def layer_comparison(prof, layers: list[dict]) -> list[dict]:
-    """Each module's forward per call: Profile's time against torch.profiler's device time of
-    the kernels in the module's range (host time on the CPU)."""
-    device = {}
+def torch_module_times(prof) -> tuple[dict[str, float], dict[str, float]]:
+    """Per module path, torch.profiler's forward time per call in ms, two ways: the device time
+    of the kernels launched inside the module's range (its CPU row; host time on the CPU), and
+    the range's span on the GPU timeline, first kernel start to last kernel end (its GPU
+    annotation row; none on the CPU), which is what a pair of CUDA events around it measures."""
+    kernels, spans = {}, {}
     for e in prof.key_averages():
-        # the CPU row of a range: its device time is the kernels launched inside it (the GPU
-        # annotation row of the same name measures the range's span on the GPU timeline)
-        if e.key.startswith(MODULE_PREFIX) and e.count and e.device_type == DeviceType.CPU:
-            path = e.key[len(MODULE_PREFIX) :].rsplit(": ", 1)[0]
-            total = getattr(e, "device_time_total", 0) or e.cpu_time_total
-            device[path] = total / e.count / 1e3
+        if not (e.key.startswith(MODULE_PREFIX) and e.count):
+            continue
+        path = e.key[len(MODULE_PREFIX) :].rsplit(": ", 1)[0]
+        device = getattr(e, "device_time_total", 0)
+        if e.device_type == DeviceType.CPU:
+            kernels[path] = (device or e.cpu_time_total) / e.count / 1e3
+        elif device:
+            spans[path] = device / e.count / 1e3
+    return kernels, spans
+
+
+def layer_comparison(prof, layers: list[dict]) -> list[dict]:
+    """Each module's forward per call: Profile's time against torch.profiler's kernel time and
+    GPU span of the module's range (see :func:`torch_module_times`)."""
+    kernels, spans = torch_module_times(prof)
     rows = []
     for layer in layers:
-        theirs, ours = device.get(layer["path"]), layer["fwd_mean_ms"]
+        path, ours = layer["path"], layer["fwd_mean_ms"]
+        theirs, span = kernels.get(path), spans.get(path)
         if theirs is None or ours is None:
             continue
-        rows.append({"path": layer["path"], "module": layer["module"], "calls": layer["calls"],
+        rows.append({"path": path, "module": layer["module"], "calls": layer["calls"],
                      "profile_fwd_ms": ours, "torch_fwd_ms": theirs,
-                     "ratio": ours / theirs if theirs else None})  # fmt: skip
+                     "ratio": ours / theirs if theirs else None, "torch_span_ms": span,
+                     "span_ratio": ours / span if span else None})  # fmt: skip
     return rows
+
+
+def agreement(rows: list[dict], min_ms: float = 1.0, tolerance: float = 0.10) -> dict:
+    """Of the modules whose torch.profiler time is above ``min_ms``, how many of Profile's
+    times are within ``tolerance`` of it, against the kernel time and against the GPU span
+    (shares None where no module is that slow)."""
+    out = {"min_ms": min_ms, "tolerance": tolerance}
+    for ref, theirs, ratio in (("kernels", "torch_fwd_ms", "ratio"),
+                               ("span", "torch_span_ms", "span_ratio")):  # fmt: skip
+        slow = [r for r in rows if (r[theirs] or 0) > min_ms]
+        within = sum(abs(r[ratio] - 1) <= tolerance for r in slow)
+        out[f"modules_over_min_{ref}"] = len(slow)
+        out[f"within_{ref}"] = within
+        out[f"share_within_{ref}"] = within / len(slow) if slow else None
+    return out
 
 
 def resident_batch(trainer: vp.Trainer, batches: Iterator, images: int):
@@ -267,20 +306,34 @@ def resident_steps(trainer: vp.Trainer, x, y, n: int, step: Callable[[], None]) 
         step()
 
 
-def compare_layers(trainer: vp.Trainer, x, y, args) -> list[dict]:
-    """torch.profiler (module ranges) and Profile on the same resident batch and schedule; each
-    module's forward time per call from both."""
+def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
+    """Each module's forward time per call from Profile and from torch.profiler (module ranges)
+    on the same resident batch and schedule, two ways: both recording the same iterations
+    (Profile's stamps inside the ranges: one execution, one set of kernels), and in separate
+    passes, torch.profiler's then Profile's (neither pays for the other's hooks, but clocks,
+    temperature and the profiler's own start-up may differ between the passes)."""
     n = args.wait + args.warmup + args.active
     activities = [ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    sched = schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1)
-    with module_ranges(trainer.model), profile(activities=activities, schedule=sched) as ref:
+
+    def torch_profiler():
+        sched = schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1)
+        return profile(activities=activities, schedule=sched)
+
+    def layer_profile():
+        sched = layer_profiler.Schedule(wait=args.wait, warmup=args.warmup, active=args.active)
+        return layer_profiler.Profile(trainer.model, schedule=sched)
+
+    # The ranges' hooks are registered first: Profile's stamps run inside each range.
+    with module_ranges(trainer.model), torch_profiler() as ref, layer_profile() as prof:
+        resident_steps(trainer, x, y, n, lambda: (ref.step(), prof.step()))
+    same = layer_comparison(ref, prof.records())
+    with module_ranges(trainer.model), torch_profiler() as ref:
         resident_steps(trainer, x, y, n, ref.step)
-    layer_sched = layer_profiler.Schedule(wait=args.wait, warmup=args.warmup, active=args.active)
-    with layer_profiler.Profile(trainer.model, schedule=layer_sched) as prof:
+    with layer_profile() as prof:
         resident_steps(trainer, x, y, n, prof.step)
-    return layer_comparison(ref, prof.records())
+    return {"same_iterations": same, "separate_passes": layer_comparison(ref, prof.records())}
 
 
 def profile_overhead(trainer: vp.Trainer, x, y, rounds: int, steps: int, depth: int | None) -> dict:
@@ -338,25 +391,37 @@ def main() -> None:
     (out / f"{name}_layers.txt").write_text(summary)
     print(f"\nLayer profile ({name}, {args.active} active iterations on {run.where}):\n{summary}")
     compare_batch = args.compare_batch_size or cfg.batch_size
+    measured_agreement: list[dict] = []
+    sizes = sorted({cfg.batch_size, compare_batch})
+    resident = {size: resident_batch(trainer, batches, size) for size in sizes}
+    stop_loader(batches)
     measured = []
-    for batch_size in sorted({cfg.batch_size, compare_batch}):
-        x, y = resident_batch(trainer, batches, batch_size)
+    for batch_size, (x, y) in resident.items():
         at = {**config, "resident_batch": batch_size}
         if batch_size == compare_batch:
             compared = compare_layers(trainer, x, y, args)
-            for row in compared:
-                run.log.log(name, {**at, "kind": "layer_compare"}, row)
+            for comparison, rows in compared.items():
+                for row in rows:
+                    run.log.log(
+                        name, {**at, "kind": "layer_compare", "comparison": comparison}, row
+                    )
+                agreed = agreement(rows)
+                run.log.log(
+                    name, {**at, "kind": "layer_agreement", "comparison": comparison}, agreed
+                )
+                print_table(
+                    sorted(rows, key=lambda r: -r["torch_fwd_ms"])[:15],
+                    title=f"Forward per call at batch {compare_batch}, {comparison}: "
+                    "Profile vs torch.profiler (ms), slowest 15",
+                )
+                measured_agreement.append({"comparison": comparison, **agreed})
         for depth in (None, args.shallow_depth):
             overhead = profile_overhead(
                 trainer, x, y, args.overhead_rounds, args.overhead_steps, depth
             )
             run.log.log(name, {**at, "kind": "overhead", "max_depth": depth}, overhead)
             measured.append({"batch": batch_size, "max_depth": depth, **overhead})
-        del x, y
-    print_table(
-        sorted(compared, key=lambda r: -r["torch_fwd_ms"])[:15],
-        title=f"Forward per call at batch {compare_batch}: Profile vs torch.profiler (ms), slowest 15",
-    )
+    print_table(measured_agreement, title="Modules over 1 ms within 10% of torch.profiler's time")
     print_table(measured, title="Profile overhead on a resident batch")
     print(f"\nwritten to {out}: {LOG}, {name}_ops.txt, {name}_torch_trace.json, "
           f"{name}_layers.txt, {name}_layers_trace.json")  # fmt: skip

@@ -231,7 +231,7 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
     assert res.returncode == 0, res.stderr
     records = read_records(tmp_path / "vit_profile_ops.jsonl")
     kinds = {r["config"]["kind"] for r in records}
-    assert kinds == {"module", "op", "range", "layer_compare", "overhead"}
+    assert kinds == {"module", "op", "range", "layer_compare", "layer_agreement", "overhead"}
     ranges = {
         r["metrics"]["range"]: r["metrics"] for r in records if r["config"]["kind"] == "range"
     }
@@ -239,8 +239,26 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
     parts = sum(ranges[n]["cpu_ms_per_iter"] for n in ranges if n != "step")
     assert parts <= ranges["step"]["cpu_ms_per_iter"] * 1.01  # the ranges nest in the iteration
     compared = [r for r in records if r["config"]["kind"] == "layer_compare"]
-    assert {"transformer", "mlp_head"} <= {r["metrics"]["path"] for r in compared}
+    comparisons = ("same_iterations", "separate_passes")
+    for comparison in comparisons:
+        rows = {r["metrics"]["path"]: r["metrics"] for r in compared
+                if r["config"]["comparison"] == comparison}  # fmt: skip
+        assert {"transformer", "mlp_head"} <= set(rows), comparison
+        # on the CPU: host times; no GPU span
+        assert all(r["torch_fwd_ms"] > 0 and r["torch_span_ms"] is None for r in rows.values())
     assert {r["config"]["resident_batch"] for r in compared} == {6}  # two loader batches
+    agreements = {
+        r["config"]["comparison"]: r["metrics"]
+        for r in records
+        if r["config"]["kind"] == "layer_agreement"
+    }
+    assert set(agreements) == set(comparisons)
+    for comparison, agreed in agreements.items():
+        rows = [r["metrics"] for r in compared if r["config"]["comparison"] == comparison]
+        slow = [r for r in rows if r["torch_fwd_ms"] > 1.0]
+        assert agreed["modules_over_min_kernels"] == len(slow)
+        assert agreed["within_kernels"] == sum(abs(r["ratio"] - 1) <= 0.1 for r in slow)
+        assert agreed["modules_over_min_span"] == 0 and agreed["share_within_span"] is None
     overheads = [r for r in records if r["config"]["kind"] == "overhead"]
     # each resident batch, every module and the shallow profile
     assert {(r["config"]["resident_batch"], r["config"]["max_depth"]) for r in overheads} == {
@@ -256,3 +274,16 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
     )
     for name in ("fixed_ops.txt", "fixed_torch_trace.json", "fixed_layers_trace.json"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_layer_agreement_counts_modules_over_1_ms_within_10_percent():
+    profile_model = load_script("profile_model")
+    rows = [
+        {"torch_fwd_ms": 2.0, "ratio": 1.05, "torch_span_ms": 2.2, "span_ratio": 0.95},
+        {"torch_fwd_ms": 3.0, "ratio": 0.80, "torch_span_ms": 0.9, "span_ratio": 2.7},
+        {"torch_fwd_ms": 0.5, "ratio": 3.00, "torch_span_ms": None, "span_ratio": None},
+    ]
+    agreed = profile_model.agreement(rows)
+    assert (agreed["modules_over_min_kernels"], agreed["within_kernels"]) == (2, 1)
+    assert agreed["share_within_kernels"] == 0.5
+    assert (agreed["modules_over_min_span"], agreed["share_within_span"]) == (1, 1.0)

@@ -33,20 +33,23 @@ What it measures, and its limits:
   in backward). Spans nest as torch's engine orders a single device's backward (later modules
   first); nothing here enforces it.
 - The hooks are registered only for steps the schedule records or warms up with, and cost host
-  time while they are (a few microseconds per module call): negligible while the GPU is the
-  bottleneck, visible where the host is. Stamps are kept until the profile is dropped, so bound
+  time while they are. Per module call: two forward hooks, one extra autograd node (the input
+  view) per input with grad, two autograd node hooks and about three stamps; most of it is
+  torch's own hook machinery (about 20 us per call on a slow CPU core, as much as a tiny
+  Linear's forward and backward). Negligible while the GPU is the bottleneck; where the host is,
+  hook the blocks only (``max_depth``). Stamps are kept until the profile is dropped, so bound
   long runs with a :class:`Schedule` that has a ``repeat``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +64,6 @@ STEP = "step"
 _TRACKS = {STEP: 0, FORWARD: 1, BACKWARD: 2}
 # A backward call in flight: [module index, start stamp or None, inputs left, inputs with grad].
 _MODULE, _START, _LEFT, _INPUTS = range(4)
-_OUTPUT_ATTR = "_effdl_profile_backward"  # on an output tensor: (profile, version, calls)
 
 
 class Phase(Enum):
@@ -144,33 +146,34 @@ class _HostClock:
 
 
 class _CudaClock:
-    """Stamps are CUDA events on the device's current stream, relative to an origin event.
+    """Stamps are CUDA events on the current stream, relative to an origin event.
 
-    Events of steps that are not kept go back to a pool and are recorded again later: an event
-    is only read after the synchronize, and only the last record counts.
+    ``torch.Event.record()`` looks the current stream up in C++ (``torch.cuda.Event.record()``
+    builds a Python stream object per call); the stream is the one current where the hook
+    runs, the autograd engine's inside backward. A model on another device than the current
+    one names its device's stream each time. Events of steps that are not kept go back to a
+    pool and are recorded again later: an event is only read after the synchronize, and only
+    the last record counts.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._free: list[torch.cuda.Event] = []
-        # Event.record() with no stream takes the current device's current stream (the autograd
-        # engine's, inside backward) and skips a stream lookup per stamp; a model on another
-        # device than the current one names its device's stream each time.
+        self._free: list[torch.Event] = []
         self._on_current = device.index is None or device.index == torch.cuda.current_device()
         self._origin = self.mark()
 
-    def mark(self) -> torch.cuda.Event:
-        ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+    def mark(self) -> torch.Event:
+        ev = self._free.pop() if self._free else torch.Event(self.device, enable_timing=True)
         if self._on_current:
             ev.record()
         else:
             ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def release(self, marks: list[torch.cuda.Event]) -> None:
+    def release(self, marks: list[torch.Event]) -> None:
         self._free += marks
 
-    def to_ns(self, marks: list[torch.cuda.Event]) -> list[int]:
+    def to_ns(self, marks: list[torch.Event]) -> list[int]:
         torch.cuda.synchronize(self.device)  # the one sync: every stamp is read after it
         return [round(self._origin.elapsed_time(m) * 1e6) for m in marks]
 
@@ -195,6 +198,14 @@ def _grad_outputs(output: object) -> tuple[torch.Tensor, ...]:
     if type(output) is tuple:
         return tuple(t for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None)
     return ()
+
+
+def _returns_an_input(outputs: tuple[torch.Tensor, ...], views: list) -> bool:
+    for t in outputs:
+        for v, _ in views:
+            if t is v:
+                return True
+    return False
 
 
 def _view_inputs(output: object, views: list) -> object:
@@ -258,6 +269,10 @@ class Profile:
         # Per module, its forward calls in flight: (start stamp, backward call, input views and their versions).
         self._calls: list[list[tuple[Any, list | None, list | None]]] = [[] for _ in self._modules]
         self._bwd_open: list[list] = []  # backward calls started in this backward pass
+        # Output nodes of the forward in flight, each with the calls whose backward it starts:
+        # a parent returning its child's output shares the child's hook and stamp.
+        self._starts: dict[Any, list[list]] = {}
+        self._depth = 0  # hooked module calls in flight
         self._bwd_callback = False  # the end-of-backward callback is queued
         self._pending: list[tuple[int, str, int, Any, Any]] = []
         self._spans: list[tuple[int, str, int, Any, Any]] = []
@@ -335,34 +350,38 @@ class Profile:
         for calls in self._calls:
             calls.clear()
         self._bwd_open.clear()
+        self._starts.clear()
+        self._depth = 0
 
     # -- hooks ---------------------------------------------------------------------------------
 
     def _pre_hook(self, i: int) -> Callable[..., tuple | None]:
-        calls = self._calls[i]
+        push = self._calls[i].append
         mark = self._clock.mark
         bwd_end = self._bwd_end
+        is_grad_enabled = torch.is_grad_enabled
 
         def pre_hook(_module: nn.Module, args: tuple) -> tuple | None:
-            if not torch.is_grad_enabled():
-                calls.append((mark(), None, None))
+            self._depth += 1
+            if not is_grad_enabled():
+                push((mark(), None, None))
                 return None
-            call = new_args = None
-            views = []
+            call = [i, None, 0, 0]
+            new_args = views = None
             for k, a in enumerate(args):
                 if isinstance(a, torch.Tensor) and a.requires_grad:
-                    if call is None:
-                        call, new_args = [i, None, 0, 0], list(args)
+                    if views is None:
+                        new_args, views = list(args), []
                     # A node of this call's own: its gradient is this module's use of ``a``.
                     view = a.view_as(a)
-                    view.grad_fn.register_prehook(functools.partial(bwd_end, call))
+                    view.grad_fn.register_prehook(partial(bwd_end, call))
                     new_args[k] = view
                     views.append((view, view._version))
-                    call[_LEFT] = call[_INPUTS] = call[_INPUTS] + 1
-            if call is None:
-                calls.append((mark(), [i, None, 0, 0], None))
+            if views is None:
+                push((mark(), call, None))
                 return None
-            calls.append((mark(), call, views))
+            call[_LEFT] = call[_INPUTS] = len(views)
+            push((mark(), call, views))
             return tuple(new_args)
 
         return pre_hook
@@ -371,6 +390,7 @@ class Profile:
         calls = self._calls[i]
         mark = self._clock.mark
         pending = self._pending.append  # the list lives as long as the profile
+        starts = self._starts
         bwd_start = self._bwd_start
         bwd_end_after = self._bwd_end_after
 
@@ -380,24 +400,28 @@ class Profile:
                 return None
             start, call, views = calls.pop()
             pending((i, FORWARD, self._step, start, end))
-            if call is None:
-                return None
-            if views:
-                for v, version in views:
-                    if v._version != version:
-                        # Changed in place: the view's node left the graph; the module's
-                        # backward is its input's new node (CopySlices), done when it has run.
-                        v._base.grad_fn.register_hook(functools.partial(bwd_end_after, call))
-                if any(t is v for t in _grad_outputs(output) for v, _ in views):
-                    output = _view_inputs(output, [v for v, _ in views])
-            for t in _grad_outputs(output):
-                shared = t.__dict__.get(_OUTPUT_ATTR)
-                if shared is not None and shared[0] is self and shared[1] == t._version:
-                    shared[2].append(call)  # a child's output: start with the child
-                    continue
-                starting = [call]
-                t.grad_fn.register_prehook(functools.partial(bwd_start, starting))
-                setattr(t, _OUTPUT_ATTR, (self, t._version, starting))
+            if call is not None:
+                outputs = _grad_outputs(output)
+                if views:
+                    for v, version in views:
+                        if v._version != version:
+                            # Changed in place: the view's node left the graph; the module's
+                            # backward is its input's new node (CopySlices), done when it has run.
+                            v._base.grad_fn.register_hook(partial(bwd_end_after, call))
+                    if _returns_an_input(outputs, views):
+                        output = _view_inputs(output, [v for v, _ in views])
+                        outputs = _grad_outputs(output)
+                for t in outputs:
+                    node = t.grad_fn
+                    starting = starts.get(node)
+                    if starting is None:
+                        starts[node] = starting = [call]
+                        node.register_prehook(partial(bwd_start, starting))
+                    else:
+                        starting.append(call)  # a child's output: start with the child
+            self._depth -= 1
+            if not self._depth:
+                starts.clear()  # the outermost call returned: its graph is no longer held
             return output
 
         return post_hook

@@ -9,6 +9,7 @@ import itertools
 import json
 import statistics
 import time
+import weakref
 from collections import Counter
 
 import pytest
@@ -328,6 +329,26 @@ def test_hooks_are_on_only_in_warmup_and_record_steps(net: Net, x: torch.Tensor)
     assert {s.step for s in prof.spans()} == {2}
 
 
+def test_a_parent_returning_its_childs_output_shares_its_start_and_holds_no_graph() -> None:
+    """The model's backward starts with the stamp of its last layer (whose output it returns),
+    and once the forward has returned the profile holds none of the graph: a forward whose
+    output is dropped frees its activations."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(2, 4)
+    hidden: list[weakref.ref] = []
+    model[0].register_forward_hook(lambda _m, _a, out: hidden.append(weakref.ref(out)))
+    with Profile(model) as prof:
+        model(x).sum().backward()
+        prof.step()
+        out = model(x)
+        assert hidden[-1]() is not None  # saved for the second layer's backward
+        del out
+        assert hidden[-1]() is None
+    bwd = {s.path: s for s in prof.spans() if s.kind == "backward"}
+    assert bwd["model"].start_ns == bwd["1"].start_ns
+    assert bwd["model"].end_ns >= bwd["0"].end_ns >= bwd["1"].end_ns
+
+
 def test_a_second_backward_through_the_graph_gets_its_own_spans(net: Net, x: torch.Tensor) -> None:
     with Profile(net) as prof:
         loss = net(x).square().mean()
@@ -409,9 +430,9 @@ class FakeCuda:
         self.syncs = 0
         self.records = 0
 
-    def event(self, enable_timing: bool) -> object:
+    def event(self, device: torch.device, enable_timing: bool) -> object:
         cuda = self
-        assert enable_timing
+        assert device.type == "cuda" and enable_timing
 
         class Event:
             def record(self, stream: object = None) -> None:
@@ -435,7 +456,7 @@ def test_cuda_events_of_warmup_steps_are_reused_once_each(
     """Stamps shared by several spans go back to the pool once: an event handed out twice
     would time two moments with one (the first overwritten, spans of negative length)."""
     fake = FakeCuda()
-    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch, "Event", fake.event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "current stream")
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     with Profile(net, device="cuda", schedule=Schedule(wait=0, warmup=2, active=2)) as prof:
@@ -456,7 +477,7 @@ def test_cuda_stamps_sync_once_when_read_never_in_hooks(
     net: Net, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake = FakeCuda()
-    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch, "Event", fake.event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "current stream")
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     with Profile(net, device="cuda") as prof:
