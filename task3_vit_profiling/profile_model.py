@@ -19,9 +19,9 @@ from the trace). Then the loader is stopped (its workers would compete for the h
 on resident batches already on the device: on one of ``--compare-batch-size`` images (default:
 the pipeline's batch; the fixed ViT at batch 256 is bound by the host's kernel launches, so its
 per-layer GPU times mean little: a larger batch keeps the GPU busy), ``layer_compare`` records
-(each module's forward: Profile's CUDA-event time per call against torch.profiler's, both the
-device time of the kernels launched inside the module's range and the range's span on the GPU
-timeline, same schedule), with ``config.comparison`` ``same_iterations`` (both profilers record
+(each module's forward: Profile's CUDA-event time per call against torch.profiler's device time
+of the kernels launched inside the module's range, each kernel once, and as key_averages sums
+it, which counts again the kernels whose launch stalled on a full command queue; same schedule), with ``config.comparison`` ``same_iterations`` (both profilers record
 the same iterations: one execution) or ``separate_passes`` (torch.profiler's pass, then
 Profile's), and per comparison a ``layer_agreement`` record (share of the modules over 1 ms whose
 times agree within 10%, against either reference); and ``overhead`` records (median step time
@@ -236,48 +236,69 @@ def range_records(prof, active: int) -> list[dict]:
     return out
 
 
+# kineto's marker for a kernel launch that waited on a full CUDA command queue: it lists the
+# launched kernels again, beside the op that launched them, so sums over a range count them twice
+LAUNCH_STALL = "Command Buffer Full"
+
+
+def _range_kernel_us(event) -> float:
+    """Device time of the kernels launched inside ``event``'s range, each kernel once."""
+    total, stack = 0.0, [event]
+    while stack:
+        e = stack.pop()
+        if e.name != LAUNCH_STALL:
+            total += sum(k.duration for k in e.kernels)
+            stack.extend(e.cpu_children)
+    return total
+
+
 def torch_module_times(prof) -> tuple[dict[str, float], dict[str, float]]:
     """Per module path, torch.profiler's forward time per call in ms, two ways: the device time
-    of the kernels launched inside the module's range (its CPU row; host time on the CPU), and
-    the range's span on the GPU timeline, first kernel start to last kernel end (its GPU
-    annotation row; none on the CPU), which is what a pair of CUDA events around it measures."""
-    kernels, spans = {}, {}
+    of the kernels launched inside the module's range, each kernel once (from the event tree;
+    host time on the CPU, where there are no kernels), and key_averages' device total of the
+    range (its table's number), which counts a kernel twice when its launch stalled on a full
+    command queue (:data:`LAUNCH_STALL`): a GPU-bound step stalls often, at random places."""
+    per_call: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.name.startswith(MODULE_PREFIX) and e.device_type == DeviceType.CPU:
+            path = e.name[len(MODULE_PREFIX) :].rsplit(": ", 1)[0]
+            per_call.setdefault(path, []).append(_range_kernel_us(e) or e.cpu_time_total)
+    kernels = {path: sum(v) / len(v) / 1e3 for path, v in per_call.items()}
+    averaged = {}
     for e in prof.key_averages():
-        if not (e.key.startswith(MODULE_PREFIX) and e.count):
-            continue
-        path = e.key[len(MODULE_PREFIX) :].rsplit(": ", 1)[0]
-        device = getattr(e, "device_time_total", 0)
-        if e.device_type == DeviceType.CPU:
-            kernels[path] = (device or e.cpu_time_total) / e.count / 1e3
-        elif device:
-            spans[path] = device / e.count / 1e3
-    return kernels, spans
+        if e.key.startswith(MODULE_PREFIX) and e.count and e.device_type == DeviceType.CPU:
+            path = e.key[len(MODULE_PREFIX) :].rsplit(": ", 1)[0]
+            averaged[path] = (
+                (getattr(e, "device_time_total", 0) or e.cpu_time_total) / e.count / 1e3
+            )
+    return kernels, averaged
 
 
 def layer_comparison(prof, layers: list[dict]) -> list[dict]:
-    """Each module's forward per call: Profile's time against torch.profiler's kernel time and
-    GPU span of the module's range (see :func:`torch_module_times`)."""
-    kernels, spans = torch_module_times(prof)
+    """Each module's forward per call: Profile's time against torch.profiler's kernel time of
+    the module's range, counted once and as key_averages counts it (see
+    :func:`torch_module_times`)."""
+    kernels, averaged = torch_module_times(prof)
     rows = []
     for layer in layers:
         path, ours = layer["path"], layer["fwd_mean_ms"]
-        theirs, span = kernels.get(path), spans.get(path)
+        theirs, table = kernels.get(path), averaged.get(path)
         if theirs is None or ours is None:
             continue
         rows.append({"path": path, "module": layer["module"], "calls": layer["calls"],
                      "profile_fwd_ms": ours, "torch_fwd_ms": theirs,
-                     "ratio": ours / theirs if theirs else None, "torch_span_ms": span,
-                     "span_ratio": ours / span if span else None})  # fmt: skip
+                     "ratio": ours / theirs if theirs else None, "torch_key_averages_ms": table,
+                     "key_averages_ratio": ours / table if table else None})  # fmt: skip
     return rows
 
 
 def agreement(rows: list[dict], min_ms: float = 1.0, tolerance: float = 0.10) -> dict:
     """Of the modules whose torch.profiler time is above ``min_ms``, how many of Profile's
-    times are within ``tolerance`` of it, against the kernel time and against the GPU span
-    (shares None where no module is that slow)."""
+    times are within ``tolerance`` of it, against the kernels counted once and against
+    key_averages' total (shares None where no module is that slow)."""
     out = {"min_ms": min_ms, "tolerance": tolerance}
     for ref, theirs, ratio in (("kernels", "torch_fwd_ms", "ratio"),
-                               ("span", "torch_span_ms", "span_ratio")):  # fmt: skip
+                               ("key_averages", "torch_key_averages_ms", "key_averages_ratio")):  # fmt: skip
         slow = [r for r in rows if (r[theirs] or 0) > min_ms]
         within = sum(abs(r[ratio] - 1) <= tolerance for r in slow)
         out[f"modules_over_min_{ref}"] = len(slow)

@@ -5,6 +5,7 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -244,8 +245,10 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
         rows = {r["metrics"]["path"]: r["metrics"] for r in compared
                 if r["config"]["comparison"] == comparison}  # fmt: skip
         assert {"transformer", "mlp_head"} <= set(rows), comparison
-        # on the CPU: host times; no GPU span
-        assert all(r["torch_fwd_ms"] > 0 and r["torch_span_ms"] is None for r in rows.values())
+        # on the CPU there are no kernels: both references are the range's host time
+        assert all(r["torch_fwd_ms"] > 0 for r in rows.values())
+        assert all(r["torch_key_averages_ms"] == pytest.approx(r["torch_fwd_ms"])
+                   for r in rows.values())  # fmt: skip
     assert {r["config"]["resident_batch"] for r in compared} == {6}  # two loader batches
     agreements = {
         r["config"]["comparison"]: r["metrics"]
@@ -258,7 +261,7 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
         slow = [r for r in rows if r["torch_fwd_ms"] > 1.0]
         assert agreed["modules_over_min_kernels"] == len(slow)
         assert agreed["within_kernels"] == sum(abs(r["ratio"] - 1) <= 0.1 for r in slow)
-        assert agreed["modules_over_min_span"] == 0 and agreed["share_within_span"] is None
+        assert agreed["modules_over_min_key_averages"] == agreed["modules_over_min_kernels"]
     overheads = [r for r in records if r["config"]["kind"] == "overhead"]
     # each resident batch, every module and the shallow profile
     assert {(r["config"]["resident_batch"], r["config"]["max_depth"]) for r in overheads} == {
@@ -279,11 +282,43 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
 def test_layer_agreement_counts_modules_over_1_ms_within_10_percent():
     profile_model = load_script("profile_model")
     rows = [
-        {"torch_fwd_ms": 2.0, "ratio": 1.05, "torch_span_ms": 2.2, "span_ratio": 0.95},
-        {"torch_fwd_ms": 3.0, "ratio": 0.80, "torch_span_ms": 0.9, "span_ratio": 2.7},
-        {"torch_fwd_ms": 0.5, "ratio": 3.00, "torch_span_ms": None, "span_ratio": None},
+        {
+            "torch_fwd_ms": 2.0,
+            "ratio": 1.05,
+            "torch_key_averages_ms": 2.2,
+            "key_averages_ratio": 0.95,
+        },
+        {
+            "torch_fwd_ms": 3.0,
+            "ratio": 0.80,
+            "torch_key_averages_ms": 0.9,
+            "key_averages_ratio": 2.7,
+        },
+        {
+            "torch_fwd_ms": 0.5,
+            "ratio": 3.00,
+            "torch_key_averages_ms": None,
+            "key_averages_ratio": None,
+        },
     ]
     agreed = profile_model.agreement(rows)
     assert (agreed["modules_over_min_kernels"], agreed["within_kernels"]) == (2, 1)
     assert agreed["share_within_kernels"] == 0.5
-    assert (agreed["modules_over_min_span"], agreed["share_within_span"]) == (1, 1.0)
+    assert (agreed["modules_over_min_key_averages"], agreed["share_within_key_averages"]) == (
+        1,
+        1.0,
+    )
+
+
+def test_range_kernel_time_counts_a_stalled_launch_once():
+    """kineto lists a kernel whose launch waited on a full command queue under the launching op
+    and again under a 'Command Buffer Full' event: the range's kernel time counts it once."""
+    profile_model = load_script("profile_model")
+    kernel = SimpleNamespace
+    stall = SimpleNamespace(name=profile_model.LAUNCH_STALL, kernels=[kernel(duration=700.0)],
+                            cpu_children=[])  # fmt: skip
+    norm = SimpleNamespace(name="aten::native_layer_norm", kernels=[kernel(duration=700.0)],
+                           cpu_children=[stall])  # fmt: skip
+    mm = SimpleNamespace(name="aten::mm", kernels=[kernel(duration=300.0)], cpu_children=[])
+    module = SimpleNamespace(name="module: block: Attention", kernels=[], cpu_children=[norm, mm])
+    assert profile_model._range_kernel_us(module) == 1000.0
