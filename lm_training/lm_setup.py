@@ -9,7 +9,6 @@ with FSDP2 (``fully_shard`` per block, then the root).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -139,16 +138,6 @@ def make_optimizer(
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
-
-
-def lr_at(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float:
-    """Linear warm-up to ``lr`` over ``warmup`` steps (step 0 gets ``lr / warmup``), then a
-    cosine from ``lr`` down to ``min_lr`` at the last step (``steps - 1``)."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    span = max(1, steps - 1 - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 # ------------------------------------------------------------------------ profiler ranges

@@ -49,6 +49,7 @@ from effdl.data.labels import IGNORE_INDEX
 from effdl.data.parquet import TEXT_COLUMN, as_encoder
 from effdl.data.stdlib_text import DEFAULT_CACHE, token_counts, unigram_entropy
 from effdl.models.llama import PRESETS, TransformerModelArgs
+from effdl.optim import warmup_cosine_lr
 from effdl.profiling.flops import llama_train_flops_per_token, peak_bf16_tflops
 from effdl.profiling.timing import RegionTimer, take_peak_memory
 from effdl.results import RunLog
@@ -450,7 +451,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
         cfg.profile, cfg.timing_warmup, cfg.profile_steps, trace, d.device
     ) as profiler_step:
         for step in range(cfg.steps):
-            lr = lm_setup.lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+            lr = warmup_cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
             for group in opt.param_groups:
                 group["lr"] = lr
             timer.start()

@@ -78,7 +78,7 @@ from effdl.models.gpt2 import (
     gpt2_config,
     lm_loss,
 )
-from effdl.optim import CPUOffloadAdam
+from effdl.optim import CPUOffloadAdam, warmup_cosine_lr
 from effdl.optim.offload import (
     DEVICE_BUCKETS_IN_FLIGHT,
     DEVICE_CHUNK_BLOCKS,
@@ -534,12 +534,9 @@ def make_batches(
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """The learning rate of ``step`` (0-based): ``lr * (step + 1) / warmup_steps`` during the
     warm-up, then ``lr`` (constant) or a cosine from ``lr`` down to ``lr / 10`` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
+    if cfg.lr_schedule == "constant" and step >= cfg.warmup_steps:
         return cfg.lr
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+    return warmup_cosine_lr(step, cfg.lr, cfg.lr / 10, cfg.warmup_steps, cfg.steps)
 
 
 def set_lr(opt, lr: float) -> None:

@@ -65,16 +65,6 @@ def test_variant_names_the_settings():
     assert dataclasses.replace(cfg, name="x").variant(2) == "x"
 
 
-def test_lr_schedule_by_hand():
-    lr = lambda s: lm_setup.lr_at(s, 1.0, 0.1, warmup=4, steps=14)  # noqa: E731
-    assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    # cosine over steps 4..13 (span 9): halfway at step 8.5, the floor at the last step
-    assert lr(4) == pytest.approx(1.0)
-    assert lr(13) == pytest.approx(0.1)
-    assert lr(7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 3 / 9)))
-    assert lm_setup.lr_at(0, 1.0, 0.1, warmup=0, steps=1) == pytest.approx(1.0)
-
-
 def test_rates_by_hand():
     rates = train.Rates(
         tokens_per_step=8192, flops_per_token=6e9, world=2, peak_tflops=1000.0, ceiling_tflops=None
