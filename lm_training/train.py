@@ -51,6 +51,7 @@ from effdl.data.stdlib_text import DEFAULT_CACHE, token_counts, unigram_entropy
 from effdl.models.llama import PRESETS, TransformerModelArgs
 from effdl.optim import warmup_cosine_lr
 from effdl.profiling.flops import llama_train_flops_per_token, peak_bf16_tflops
+from effdl.profiling.kernel_split import kernel_split, read_trace_events
 from effdl.profiling.timing import RegionTimer, take_peak_memory
 from effdl.results import RunLog
 
@@ -505,6 +506,15 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
                     rows[-1]["val_loss"] = val
 
     summary = summarize(rows, cfg.timing_warmup)
+    if log is not None and cuda and cfg.profile and trace.exists():
+        split = kernel_split(read_trace_events(trace))
+        log.log(f"{variant}_kernels", config, {"profile_steps": cfg.profile_steps, **split})
+        shares = [{"kind": k, "ms per step": v / cfg.profile_steps, "share of span": sh}
+                  for (k, v), sh in zip(split["by_kind_ms"].items(), split["by_kind_share"].values(),
+                                        strict=True)]  # fmt: skip
+        print_table(
+            shares, title=f"GPU time by kernel kind over {cfg.profile_steps} profiled steps"
+        )
     if log is not None:
         log.log(f"{variant}_summary", config, summary)
         shown = [{k: r.get(k) for k in (*TABLE, "val_loss")} for r in rows]

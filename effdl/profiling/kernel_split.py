@@ -1,0 +1,69 @@
+"""GPU kernel time of a torch.profiler Chrome trace, split by what the kernels do.
+
+Where a training step's GPU time goes, in a few kinds (GEMM, attention, fused elementwise code
+that torch.compile generated, the optimizer, the loss, copies, the rest), read from the kernel
+names: enough to say how far the GEMMs run from the GPU's GEMM ceiling and what the other kernels
+cost around them. Kernels named like none of the kinds count as "other elementwise".
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+# (kind, name fragments); the first kind whose fragment occurs in the lower-cased name wins, so
+# attention comes before gemm (cuDNN's attention kernels carry "sm90" too)
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("loss", ("nll_loss", "log_softmax", "cross_entropy")),
+    ("fused elementwise (triton)", ("triton",)),
+    ("copy/fill", ("memcpy", "memset")),
+)
+OTHER = "other elementwise"
+KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel from its name (see :data:`KINDS`)."""
+    low = name.lower()
+    for kind, fragments in KINDS:
+        if any(f in low for f in fragments):
+            return kind
+    return OTHER
+
+
+def read_trace_events(path: str | Path) -> list[dict[str, Any]]:
+    """The ``traceEvents`` of a Chrome trace file (``.json`` or ``.json.gz``)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def kernel_split(events: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
+    """GPU time by kind over a trace's kernels, copies and fills: ``span_ms`` (first start to
+    last end), ``kernel_ms`` (their summed durations), ``busy_share``, ``by_kind_ms`` (largest
+    first), ``by_kind_share`` (of the span) and the ``top`` kernels by total time."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNEL_CATEGORIES]
+    if not kernels:
+        raise ValueError("the trace holds no GPU kernels (was CUDA activity recorded?)")
+    by_kind, by_name = Counter(), Counter()
+    for e in kernels:
+        by_kind[kernel_kind(e["name"])] += e["dur"]
+        by_name[e["name"]] += e["dur"]
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    busy = sum(by_kind.values())
+    return {
+        "span_ms": span / 1e3,
+        "kernel_ms": busy / 1e3,
+        "busy_share": busy / span,
+        "by_kind_ms": {k: v / 1e3 for k, v in by_kind.most_common()},
+        "by_kind_share": {k: v / span for k, v in by_kind.most_common()},
+        "top_kernels": [
+            {"name": n, "kind": kernel_kind(n), "ms": v / 1e3} for n, v in by_name.most_common(top)
+        ],
+    }
