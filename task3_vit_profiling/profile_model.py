@@ -48,6 +48,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from effdl.cli import Run, print_table, require_positive, run_main, start_run
 from effdl.profiling import layer_profiler
+from effdl.profiling.kernel_split import launched_kernel_us
 from effdl.profiling.timing import RegionTimer
 
 LOG = "vit_profile_ops.jsonl"
@@ -236,33 +237,17 @@ def range_records(prof, active: int) -> list[dict]:
     return out
 
 
-# kineto's marker for a kernel launch that waited on a full CUDA command queue: it lists the
-# launched kernels again, beside the op that launched them, so sums over a range count them twice
-LAUNCH_STALL = "Command Buffer Full"
-
-
-def _range_kernel_us(event) -> float:
-    """Device time of the kernels launched inside ``event``'s range, each kernel once."""
-    total, stack = 0.0, [event]
-    while stack:
-        e = stack.pop()
-        if e.name != LAUNCH_STALL:
-            total += sum(k.duration for k in e.kernels)
-            stack.extend(e.cpu_children)
-    return total
-
-
 def torch_module_times(prof) -> tuple[dict[str, float], dict[str, float]]:
     """Per module path, torch.profiler's forward time per call in ms, two ways: the device time
     of the kernels launched inside the module's range, each kernel once (from the event tree;
     host time on the CPU, where there are no kernels), and key_averages' device total of the
     range (its table's number), which counts a kernel twice when its launch stalled on a full
-    command queue (:data:`LAUNCH_STALL`): a GPU-bound step stalls often, at random places."""
+    command queue (:data:`effdl.profiling.kernel_split.LAUNCH_STALL`): a GPU-bound step stalls often, at random places."""
     per_call: dict[str, list[float]] = {}
     for e in prof.events():
         if e.name.startswith(MODULE_PREFIX) and e.device_type == DeviceType.CPU:
             path = e.name[len(MODULE_PREFIX) :].rsplit(": ", 1)[0]
-            per_call.setdefault(path, []).append(_range_kernel_us(e) or e.cpu_time_total)
+            per_call.setdefault(path, []).append(launched_kernel_us(e) or e.cpu_time_total)
     kernels = {path: sum(v) / len(v) / 1e3 for path, v in per_call.items()}
     averaged = {}
     for e in prof.key_averages():

@@ -5,7 +5,6 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -308,17 +307,3 @@ def test_layer_agreement_counts_modules_over_1_ms_within_10_percent():
         1,
         1.0,
     )
-
-
-def test_range_kernel_time_counts_a_stalled_launch_once():
-    """kineto lists a kernel whose launch waited on a full command queue under the launching op
-    and again under a 'Command Buffer Full' event: the range's kernel time counts it once."""
-    profile_model = load_script("profile_model")
-    kernel = SimpleNamespace
-    stall = SimpleNamespace(name=profile_model.LAUNCH_STALL, kernels=[kernel(duration=700.0)],
-                            cpu_children=[])  # fmt: skip
-    norm = SimpleNamespace(name="aten::native_layer_norm", kernels=[kernel(duration=700.0)],
-                           cpu_children=[stall])  # fmt: skip
-    mm = SimpleNamespace(name="aten::mm", kernels=[kernel(duration=300.0)], cpu_children=[])
-    module = SimpleNamespace(name="module: block: Attention", kernels=[], cpu_children=[norm, mm])
-    assert profile_model._range_kernel_us(module) == 1000.0

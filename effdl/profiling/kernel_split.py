@@ -3,7 +3,8 @@
 Where a training step's GPU time goes, in a few kinds (GEMM, attention, fused elementwise code
 that torch.compile generated, the optimizer, the loss, copies, the rest), read from the kernel
 names: enough to say how far the GEMMs run from the GPU's GEMM ceiling and what the other kernels
-cost around them. Kernels named like none of the kinds count as "other elementwise".
+cost around them. Kernels named like none of the kinds count as "other elementwise". Also the
+kernel time of one profiler range with each kernel counted once (:func:`launched_kernel_us`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("copy/fill", ("memcpy", "memset")),
 )
 OTHER = "other elementwise"
+# kineto's marker for a kernel launch that waited on a full CUDA command queue: it lists the
+# launched kernels again, beside the op that launched them, so sums over a range count them twice
+LAUNCH_STALL = "Command Buffer Full"
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -35,6 +39,20 @@ def kernel_kind(name: str) -> str:
         if any(f in low for f in fragments):
             return kind
     return OTHER
+
+
+def launched_kernel_us(event: Any) -> float:
+    """Device time (us) of the kernels launched inside a torch.profiler event's range (a
+    ``FunctionEvent`` of ``prof.events()``: an op or a ``record_function`` range), each kernel
+    once. ``event.device_time_total`` adds the kernels listed again under :data:`LAUNCH_STALL`
+    events: a GPU-bound loop stalls often, at random places, and reads too high there."""
+    total, stack = 0.0, [event]
+    while stack:
+        e = stack.pop()
+        if e.name != LAUNCH_STALL:
+            total += sum(k.duration for k in e.kernels)
+            stack.extend(e.cpu_children)
+    return total
 
 
 def read_trace_events(path: str | Path) -> list[dict[str, Any]]:

@@ -2,10 +2,17 @@
 
 import gzip
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from effdl.profiling.kernel_split import kernel_kind, kernel_split, read_trace_events
+from effdl.profiling.kernel_split import (
+    LAUNCH_STALL,
+    kernel_kind,
+    kernel_split,
+    launched_kernel_us,
+    read_trace_events,
+)
 
 
 def kernel(name, ts, dur, cat="kernel"):
@@ -57,3 +64,15 @@ def test_split_by_hand(tmp_path):
 def test_a_trace_without_kernels_is_refused():
     with pytest.raises(ValueError, match="no GPU kernels"):
         kernel_split(EVENTS[:1])
+
+
+def test_range_kernel_time_counts_a_stalled_launch_once():
+    """kineto lists a kernel whose launch waited on a full command queue under the launching op
+    and again under a 'Command Buffer Full' event: the range's kernel time counts it once."""
+    k = SimpleNamespace
+    stall = SimpleNamespace(name=LAUNCH_STALL, kernels=[k(duration=700.0)], cpu_children=[])
+    norm = SimpleNamespace(name="aten::native_layer_norm", kernels=[k(duration=700.0)],
+                           cpu_children=[stall])  # fmt: skip
+    mm = SimpleNamespace(name="aten::mm", kernels=[k(duration=300.0)], cpu_children=[])
+    module = SimpleNamespace(name="module: block: Attention", kernels=[], cpu_children=[norm, mm])
+    assert launched_kernel_us(module) == 1000.0
