@@ -34,10 +34,10 @@ What it measures, and its limits:
   first); nothing here enforces it.
 - The hooks are registered only for steps the schedule records or warms up with, and cost host
   time while they are. Per module call: two forward hooks, one extra autograd node (the input
-  view) per input with grad, two autograd node hooks and about three stamps; most of it is
-  torch's own hook machinery (about 20 us per call on a slow CPU core, as much as a tiny
-  Linear's forward and backward). Negligible while the GPU is the bottleneck; where the host is,
-  hook the blocks only (``max_depth``). Stamps are kept until the profile is dropped, so bound
+  view) per input with grad, two autograd node hooks and about three stamps: tens of
+  microseconds of host time per call, as much as a small module's own forward and backward
+  (``task3_vit_profiling/probes/layer_profiler_host_cost.py`` measures it). Negligible while
+  the GPU is the bottleneck; where the host is, hook the blocks only (``max_depth``). Stamps are kept until the profile is dropped, so bound
   long runs with a :class:`Schedule` that has a ``repeat``.
 """
 
