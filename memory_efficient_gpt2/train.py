@@ -1085,17 +1085,18 @@ def run_reference(
     log: RunLog,
     seed: int,
     config: dict,
+    betas: tuple[float, float] = (0.9, 0.999),
 ) -> list[dict]:
     """The same model from the same initial weights (``seed``) trained on ``batches`` by
     ``torch.optim.AdamW(fused=True)``: fp32 weights on ``device``, bf16 autocast, no memory cap
-    and no checkpointing, the same micro-batches and learning rates as ours (records
-    ``reference_adamw``)."""
+    and no checkpointing, the same micro-batches and learning rates as ours, ``betas`` as ours
+    by default (records ``reference_adamw``)."""
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
     model = initial_model(cfg, seed).to(device).train()
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
+        model.parameters(), lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay, fused=True
     )
     loss_of = functools.partial(autocast_lm_loss, model, chunk_tokens=cfg.chunk_tokens)
     ref_config = {**config, "optimizer": "torch.optim.AdamW(fused=True)", "weights": "fp32",

@@ -26,7 +26,8 @@ the same iterations: one execution) or ``separate_passes`` (torch.profiler's pas
 Profile's), and per comparison a ``layer_agreement`` record (share of the modules over 1 ms whose
 times agree within 10%, against either reference); and ``overhead`` records (median step time
 with Profile recording every step against the bare step, in interleaved rounds, at the pipeline's
-batch and the comparison batch, hooking every module and hooking modules to ``--shallow-depth``).
+batch and the comparison batch, hooking every module, hooking modules to ``--shallow-depth``, and
+hooking every module in one of every ``--sample-every`` steps).
 
     python task3_vit_profiling/profile_model.py --quick --pipeline fixed            # CPU
     python task3_vit_profiling/profile_model.py --device cuda --pipeline as_given --out runs/vit/profile
@@ -82,6 +83,14 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
         default=4,
         help="module depth of the shallow profile in the overhead records (4: each block's "
         "attention and feed-forward)",
+    )
+    p.add_argument(
+        "--sample-every",
+        type=int,
+        nargs="+",
+        default=[10, 30],
+        help="sampled profiles of the overhead records: each hooks every module, one in this "
+        "many per step (Profile's sample_every)",
     )
 
 
@@ -342,10 +351,13 @@ def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
     return {"same_iterations": same, "separate_passes": layer_comparison(ref, prof.records())}
 
 
-def profile_overhead(trainer: vp.Trainer, x, y, rounds: int, steps: int, depth: int | None) -> dict:
+def profile_overhead(
+    trainer: vp.Trainer, x, y, rounds: int, steps: int, depth: int | None, sample_every: int = 1
+) -> dict:
     """Median training-step time on one batch already on the device, bare and with Profile
-    (hooking modules to ``depth``, None: all) recording every step, in ``rounds`` interleaved
-    rounds (device time: CUDA events; host clock on the CPU)."""
+    (hooking modules to ``depth``, None: all; one in ``sample_every`` of them per step)
+    recording every step, in ``rounds`` interleaved rounds (device time: CUDA events; host
+    clock on the CPU)."""
     trainer.model.train()
 
     def timed(prof: layer_profiler.Profile | None) -> list[float]:
@@ -361,19 +373,22 @@ def profile_overhead(trainer: vp.Trainer, x, y, rounds: int, steps: int, depth: 
     bare, hooked = [], []
     for _ in range(rounds):
         bare += timed(None)
-        with layer_profiler.Profile(trainer.model, name="overhead", max_depth=depth) as prof:
+        with layer_profiler.Profile(
+            trainer.model, name="overhead", max_depth=depth, sample_every=sample_every
+        ) as prof:
             hooked += timed(prof)
     b, h = statistics.median(bare), statistics.median(hooked)
     return {"bare_step_ms_median": b * 1e3, "profiled_step_ms_median": h * 1e3,
             "overhead": h / b - 1, "steps": len(bare), "rounds": rounds,
-            "modules_hooked": len(prof.records())}  # fmt: skip
+            "modules_hooked": len(prof.records()),
+            "modules_per_step": -(-len(prof.records()) // sample_every)}  # fmt: skip
 
 
 def main() -> None:
     args, cfg = vp.parse_config(
         __doc__.splitlines()[0], default_out="runs/vit/profile", extra=add_schedule_args
     )
-    require_positive(args, "active", "log_ops", "overhead_rounds", "overhead_steps")
+    require_positive(args, "active", "log_ops", "overhead_rounds", "overhead_steps", "sample_every")
     require_positive(args, "shallow_depth", minimum=0)
     if args.compare_batch_size is not None:
         require_positive(args, "compare_batch_size")
@@ -421,12 +436,14 @@ def main() -> None:
                     "Profile vs torch.profiler (ms), slowest 15",
                 )
                 measured_agreement.append({"comparison": comparison, **agreed})
-        for depth in (None, args.shallow_depth):
+        hookings = [(None, 1), (args.shallow_depth, 1), *((None, n) for n in args.sample_every)]
+        for depth, every in hookings:
             overhead = profile_overhead(
-                trainer, x, y, args.overhead_rounds, args.overhead_steps, depth
+                trainer, x, y, args.overhead_rounds, args.overhead_steps, depth, every
             )
-            run.log.log(name, {**at, "kind": "overhead", "max_depth": depth}, overhead)
-            measured.append({"batch": batch_size, "max_depth": depth, **overhead})
+            hooks = {"max_depth": depth, "sample_every": every}
+            run.log.log(name, {**at, "kind": "overhead", **hooks}, overhead)
+            measured.append({"batch": batch_size, **hooks, **overhead})
     print_table(measured_agreement, title="Modules over 1 ms within 10% of torch.profiler's time")
     print_table(measured, title="Profile overhead on a resident batch")
     print(f"\nwritten to {out}: {LOG}, {name}_ops.txt, {name}_torch_trace.json, "

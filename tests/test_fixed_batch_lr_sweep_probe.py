@@ -31,3 +31,44 @@ def test_one_run_per_lr_from_the_same_weights(tmp_path, monkeypatch):
         assert fall["metrics"]["fall"] == pytest.approx(1 - losses[-1] / losses[0])
     firsts = [f["metrics"]["first"] for f in falls]
     assert firsts[0] == pytest.approx(firsts[1])  # same initial weights, same batch
+
+
+def test_batch_sizes_and_beta2_each_get_a_run_and_the_batch_its_entropies(tmp_path, monkeypatch):
+    """The fixed batch of n sequences is the first n of the default one; each run's fall record
+    carries its batch's unigram entropy, computed from that batch."""
+    monkeypatch.setattr(sys, "argv", ["fixed_batch_lr_sweep.py", "--lrs", "1e-3", "--quick",
+                                      "--batches", "2", "4", "--beta2s", "0.999", "0.95",
+                                      "--steps", "2", "--cache", str(tmp_path / "cache"),
+                                      "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        run_main(probe.main)
+    assert e.value.code == 0
+    records = read_records(tmp_path / "gpt2_fixed_batch_lr_sweep.jsonl")
+    floors = {r["config"]["batch"]: r["metrics"] for r in records
+              if r["variant"] == "batch_entropy"}  # fmt: skip
+    assert set(floors) == {2, 4}
+    falls = [r["metrics"] for r in records if r["variant"] == "fall"]
+    assert {(f["batch"], f["beta2"]) for f in falls} == {(b, m) for b in (2, 4)
+                                                       for m in (0.999, 0.95)}  # fmt: skip
+    for f in falls:
+        assert f["unigram_entropy"] == floors[f["batch"]]["unigram"]
+        assert f["fall_to_unigram"] == pytest.approx(1 - f["unigram_entropy"] / f["first"])
+    assert (
+        0 < floors[2]["bigram"] < floors[2]["unigram"]
+        and floors[2]["targets"] * 2 == floors[4]["targets"]
+    )
+    steps = [r for r in records if r["variant"] == "reference_adamw"]
+    assert {(r["config"]["batch"], r["config"]["beta2"]) for r in steps} == {
+        (b, m) for b in (2, 4) for m in (0.999, 0.95)
+    }
+
+
+def test_a_batch_size_the_micro_batch_does_not_divide_is_a_usage_error(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(sys, "argv", ["fixed_batch_lr_sweep.py", "--quick", "--batches", "3",
+                                      "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        run_main(probe.main)
+    assert e.value.code == 2
+    assert "--batches 3" in capsys.readouterr().err

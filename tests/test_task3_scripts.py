@@ -262,15 +262,17 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
         assert agreed["within_kernels"] == sum(abs(r["ratio"] - 1) <= 0.1 for r in slow)
         assert agreed["modules_over_min_key_averages"] == agreed["modules_over_min_kernels"]
     overheads = [r for r in records if r["config"]["kind"] == "overhead"]
-    # each resident batch, every module and the shallow profile
-    assert {(r["config"]["resident_batch"], r["config"]["max_depth"]) for r in overheads} == {
-        (4, None),
-        (4, 2),
-        (6, None),
-        (6, 2),
+    # each resident batch: every module, the shallow profile, every module sampled
+    hooks = {(r["config"]["resident_batch"], r["config"]["max_depth"], r["config"]["sample_every"])
+             for r in overheads}  # fmt: skip
+    hookings = ((None, 1), (2, 1), (None, 10), (None, 30))
+    assert hooks == {(b, d, n) for b in (4, 6) for d, n in hookings}
+    hooked = {
+        (r["config"]["max_depth"], r["config"]["sample_every"]): r["metrics"] for r in overheads
     }
-    hooked = {r["config"]["max_depth"]: r["metrics"]["modules_hooked"] for r in overheads}
-    assert 0 < hooked[2] < hooked[None]
+    assert 0 < hooked[2, 1]["modules_hooked"] < hooked[None, 1]["modules_hooked"]
+    assert hooked[None, 10]["modules_hooked"] == hooked[None, 1]["modules_hooked"]
+    assert hooked[None, 10]["modules_per_step"] == -(-hooked[None, 1]["modules_hooked"] // 10)
     assert all(
         r["metrics"]["steps"] == 1 and r["metrics"]["bare_step_ms_median"] > 0 for r in overheads
     )

@@ -2,10 +2,13 @@
 
 :func:`synthetic_stream` needs no data and is learnable (repeated phrases); :func:`text_stream`
 tokenizes text lines with a local tokenizer, or as raw bytes when there is none (no download).
+:func:`next_token_entropies` gives the loss floors of a batch that a model reaches by knowing
+its token frequencies (unigram) or the next token's frequencies after each token (bigram).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,3 +88,25 @@ def step_batches(
     distinct = 1 if fixed else steps
     chunks = list(stream(distinct * batch * seq).view(distinct, batch, seq))
     return [chunks[0]] * steps if fixed else chunks
+
+
+def next_token_entropies(batch: Tensor) -> dict[str, float | int]:
+    """Entropies, in nats, of the next-token targets of ``batch`` (rows of token ids, each row's
+    first token a context only) under the batch's own statistics: ``unigram`` (each target's
+    frequency among the targets: the loss of a model that predicts the batch's token
+    frequencies), ``bigram`` (the conditional entropy of a target given the token before it), and
+    ``targets`` and ``distinct`` (ids among the targets)."""
+    if batch.dim() != 2 or batch.shape[1] < 2:
+        raise ValueError(f"expected (rows, length >= 2) token ids, got shape {tuple(batch.shape)}")
+    prev, target = batch[:, :-1].reshape(-1).long(), batch[:, 1:].reshape(-1).long()
+
+    def plogp_sum(keys: Tensor) -> float:  # sum over distinct keys of c * log(c)
+        counts = keys.unique(return_counts=True)[1].double()
+        return float((counts * counts.log()).sum())
+
+    n = target.numel()
+    unigram = math.log(n) - plogp_sum(target) / n
+    pairs = prev * (int(target.max()) + 1) + target
+    bigram = (plogp_sum(prev) - plogp_sum(pairs)) / n
+    return {"targets": n, "distinct": int(target.unique().numel()), "unigram": unigram,
+            "bigram": bigram}  # fmt: skip

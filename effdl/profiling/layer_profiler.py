@@ -37,8 +37,9 @@ What it measures, and its limits:
   view) per input with grad, two autograd node hooks and about three stamps: tens of
   microseconds of host time per call, as much as a small module's own forward and backward
   (``task3_vit_profiling/probes/layer_profiler_host_cost.py`` measures it). Negligible while
-  the GPU is the bottleneck; where the host is, hook the blocks only (``max_depth``). Stamps are kept until the profile is dropped, so bound
-  long runs with a :class:`Schedule` that has a ``repeat``.
+  the GPU is the bottleneck; where the host is, hook the blocks only (``max_depth``), or
+  spread the modules over steps (``sample_every``). Stamps are kept until the profile is
+  dropped, so bound long runs with a :class:`Schedule` that has a ``repeat``.
 """
 
 from __future__ import annotations
@@ -232,7 +233,11 @@ class Profile:
     at most that many levels below the model (0: the model alone; 2 in a model with a
     ``blocks`` ModuleList: each block); None hooks every module. Each hooked module costs host
     time per call, so a model whose step is bound by the host (many small kernels) runs slower
-    by that much while recorded: a shallow profile of its blocks keeps the cost small.
+    by that much while recorded: a shallow profile of its blocks keeps the cost small, and
+    ``sample_every=n`` spreads it: each step hooks one n-th of the modules (the k-th module in
+    model order in the steps whose number is k modulo n), so every module is still timed, in
+    one step of every n, and a step pays for a tenth of the hooks with n = 10. A module's
+    ``calls`` and ``step_pct`` then count the recorded steps it was hooked in.
 
     Reading results (:meth:`spans`, :meth:`records`, :meth:`summary`, :meth:`to_perfetto`)
     synchronizes the device once. A profile records one ``with`` block.
@@ -246,9 +251,13 @@ class Profile:
         *,
         device: str | torch.device | None = None,
         max_depth: int | None = None,
+        sample_every: int = 1,
     ) -> None:
         if max_depth is not None and max_depth < 0:
             raise ValueError(f"max_depth must be >= 0 or None, got {max_depth}")
+        if sample_every < 1:
+            raise ValueError(f"sample_every must be >= 1, got {sample_every}")
+        self.sample_every = sample_every
         self.model = model
         self.name = name
         self.schedule = schedule
@@ -307,8 +316,11 @@ class Profile:
         self._begin_step(now)
 
     def _register_hooks(self) -> None:
+        share = self._step % self.sample_every
         try:
             for i, (_, module) in enumerate(self._modules):
+                if i % self.sample_every != share:
+                    continue
                 # Our pre hook runs last and post hook first, so spans hold the module alone.
                 self._handles += [
                     module.register_forward_pre_hook(self._pre_hook(i)),
@@ -334,6 +346,8 @@ class Profile:
             self._remove_hooks()  # the model runs bare between recorded cycles
         else:
             self._step_start = now if now is not None else self._clock.mark()
+            if self.sample_every > 1:
+                self._remove_hooks()  # this step's share of the modules
             if not self._handles:
                 self._register_hooks()
 
@@ -500,20 +514,23 @@ class Profile:
 
         Keys: ``module`` (label), ``path``, ``calls`` and ``bwd_calls`` (spans over the recorded
         steps), ``fwd_total_ms``, ``fwd_mean_ms``, ``bwd_total_ms``, ``bwd_mean_ms`` (None
-        without calls) and ``step_pct``: forward + backward total over the recorded steps'
-        total. Modules never called in a recorded step are listed last with zero calls.
+        without calls) and ``step_pct``: forward + backward total over the total of the recorded
+        steps (those the module was hooked in, with ``sample_every``). Modules never called in a
+        recorded step are listed last with zero calls; with ``sample_every``, give the schedule
+        at least that many active steps so that every module is hooked in one.
         """
         return self._rows(*self._resolve())
 
     def _rows(self, steps: list[Span], modules: list[tuple[int, Span]]) -> list[dict[str, Any]]:
-        step_ns = sum(s.dur_ns for s in steps)
+        n = self.sample_every
+        step_ns = [sum(s.dur_ns for s in steps if s.step % n == share) for share in range(n)]
         durations: dict[tuple[int, str], list[int]] = defaultdict(list)
         for i, s in modules:
             durations[i, s.kind].append(s.dur_ns)
         rows = []
         for i, (path, _) in enumerate(self._modules):
             fwd, bwd = durations[i, FORWARD], durations[i, BACKWARD]
-            total_ns = sum(fwd) + sum(bwd)
+            total_ns, hooked_ns = sum(fwd) + sum(bwd), step_ns[i % n]
             rows.append(
                 {
                     "module": self._labels[i],
@@ -524,7 +541,7 @@ class Profile:
                     "bwd_calls": len(bwd),
                     "bwd_total_ms": sum(bwd) / 1e6,
                     "bwd_mean_ms": sum(bwd) / len(bwd) / 1e6 if bwd else None,
-                    "step_pct": 100 * total_ns / step_ns if step_ns else None,
+                    "step_pct": 100 * total_ns / hooked_ns if hooked_ns else None,
                 }
             )
         rows.sort(key=lambda r: -(r["fwd_total_ms"] + r["bwd_total_ms"]))  # stable: model order

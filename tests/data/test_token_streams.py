@@ -4,6 +4,7 @@ or with a local tokenizer, and per-step batches are cut in order."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -12,7 +13,12 @@ import pytest
 import torch
 
 from effdl.data.corpus import CorpusFormatError, read_wikitext
-from effdl.data.token_streams import step_batches, synthetic_stream, text_stream
+from effdl.data.token_streams import (
+    next_token_entropies,
+    step_batches,
+    synthetic_stream,
+    text_stream,
+)
 
 
 def test_synthetic_stream_is_pinned() -> None:
@@ -88,3 +94,23 @@ def test_step_batches_fixed_repeats_the_first() -> None:
 def test_text_stream_puts_bos_before_every_line() -> None:
     tokens = text_stream(["ab", "c"], 5, vocab=256, bos_id=1)
     assert tokens.tolist() == [1, *b"ab\n", 1]
+
+
+def test_next_token_entropies_match_counting_by_hand():
+    """Brute force over the (previous, next) pairs of a random batch with repeats."""
+    batch = torch.randint(0, 7, (5, 40), generator=torch.Generator().manual_seed(0))
+    prev, target = batch[:, :-1].flatten().tolist(), batch[:, 1:].flatten().tolist()
+    n = len(target)
+    uni, pair, before = Counter(target), Counter(zip(prev, target, strict=True)), Counter(prev)
+    unigram = -sum(c / n * math.log(c / n) for c in uni.values())
+    bigram = -sum(c / n * math.log(c / before[a]) for (a, _), c in pair.items())
+    got = next_token_entropies(batch)
+    assert got["targets"] == n and got["distinct"] == len(uni)
+    assert got["unigram"] == pytest.approx(unigram, rel=1e-12)
+    assert got["bigram"] == pytest.approx(bigram, rel=1e-12)
+    assert 0 <= got["bigram"] <= got["unigram"] <= math.log(7)
+
+
+def test_next_token_entropies_need_rows_of_two_tokens():
+    with pytest.raises(ValueError, match="length >= 2"):
+        next_token_entropies(torch.tensor([[3], [4]]))

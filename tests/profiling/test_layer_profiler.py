@@ -315,6 +315,30 @@ def test_max_depth_must_not_be_negative(net: Net) -> None:
         Profile(net, max_depth=-1)
 
 
+def test_sample_every_hooks_each_module_in_its_share_of_steps(net: Net, x: torch.Tensor) -> None:
+    """Module k (model order) is hooked in the steps numbered k modulo n, with the spans a full
+    profile gives it there, and no others."""
+    n, steps = 3, 6
+    with Profile(net, sample_every=n) as prof:
+        train_steps(net, prof, steps, x)
+    with Profile(net) as full:
+        train_steps(net, full, steps, x)
+    paths = [p or "model" for p, _ in net.named_modules()]
+    expected = {(p, s.step, s.kind) for s in full.spans() if s.kind != "step"
+                for k, p in enumerate(paths) if p == s.path and s.step % n == k % n}  # fmt: skip
+    assert {(s.path, s.step, s.kind) for s in prof.spans() if s.kind != "step"} == expected
+    rows, full_rows = ({r["path"]: r for r in p.records()} for p in (prof, full))
+    for path in paths:
+        assert rows[path]["calls"] * n == full_rows[path]["calls"], path
+        assert rows[path]["bwd_calls"] * n == full_rows[path]["bwd_calls"], path
+    assert len(prof.step_times_ms()) == steps
+
+
+def test_sample_every_must_be_positive(net: Net) -> None:
+    with pytest.raises(ValueError, match="sample_every"):
+        Profile(net, sample_every=0)
+
+
 def test_hooks_are_on_only_in_warmup_and_record_steps(net: Net, x: torch.Tensor) -> None:
     sched = Schedule(wait=1, warmup=1, active=1, repeat=1)
     with Profile(net, schedule=sched) as prof:
@@ -410,6 +434,18 @@ def test_sleeps_are_measured(first: bool) -> None:
     assert all(fwd_ms + bwd_ms <= t < fwd_ms + bwd_ms + MARGIN_MS for t in prof.step_times_ms())
     assert prof.records()[0]["path"] == "model"  # slowest first
     assert 95 < rows["model"]["step_pct"] <= 100
+
+
+def test_sample_every_step_share_counts_the_steps_a_module_was_hooked_in() -> None:
+    """A module hooked in every other step, sleeping through most of each step, takes most of
+    the steps it was timed in (not half of all steps)."""
+    model = nn.Sequential(Sleepy(0.02, 0.0), nn.Linear(4, 4))  # model, 0, 0.linear, 1
+    with Profile(model, sample_every=2) as prof:
+        train_steps(model, prof, 4, torch.randn(2, 4))
+    rows = {r["path"]: r for r in prof.records()}
+    assert (rows["model"]["calls"], rows["0"]["calls"]) == (2, 2)
+    assert rows["model"]["step_pct"] > 90
+    assert rows["0"]["step_pct"] > 90
 
 
 def test_summary_table_lists_the_slowest_modules(net: Net, x: torch.Tensor) -> None:
