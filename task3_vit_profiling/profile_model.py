@@ -70,7 +70,7 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
         default=5,
         help="interleaved bare/profiled rounds of the overhead measurement",
     )
-    p.add_argument("--overhead-steps", type=int, default=10, help="timed steps per round")  # fmt: skip
+    p.add_argument("--overhead-steps", type=int, default=10, help="timed steps per round (rounded up to whole rotations of a sampled profile)")  # fmt: skip
     p.add_argument(
         "--compare-batch-size",
         type=int,
@@ -88,7 +88,7 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
         "--sample-every",
         type=int,
         nargs="+",
-        default=[10, 30],
+        default=[10, 20],
         help="sampled profiles of the overhead records: each hooks every module, one in this "
         "many per step (Profile's sample_every)",
     )
@@ -354,11 +354,15 @@ def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
 def profile_overhead(
     trainer: vp.Trainer, x, y, rounds: int, steps: int, depth: int | None, sample_every: int = 1
 ) -> dict:
-    """Median training-step time on one batch already on the device, bare and with Profile
-    (hooking modules to ``depth``, None: all; one in ``sample_every`` of them per step)
-    recording every step, in ``rounds`` interleaved rounds (device time: CUDA events; host
-    clock on the CPU)."""
+    """Training-step time on one batch already on the device, bare and with Profile (hooking
+    modules to ``depth``, None: all; one in ``sample_every`` of them per step) recording every
+    step, in ``rounds`` interleaved rounds of ``steps`` steps each, rounded up to whole rotations
+    of the sampled modules (device time: CUDA events; host clock on the CPU). ``overhead`` is
+    the median over rounds of each profiled round's median step over the bare round's before
+    it (a drift of the host's speed between rounds cancels); ``overhead_of_medians`` pools all
+    steps."""
     trainer.model.train()
+    steps = -(-steps // sample_every) * sample_every
 
     def timed(prof: layer_profiler.Profile | None) -> list[float]:
         timer = RegionTimer(trainer.device)
@@ -370,16 +374,20 @@ def profile_overhead(
         return timer.times()
 
     timed(None)  # warm-up: lazy initialisation, cuDNN/cuBLAS choices
-    bare, hooked = [], []
+    bare, hooked, ratios = [], [], []
     for _ in range(rounds):
-        bare += timed(None)
+        bare_round = timed(None)
         with layer_profiler.Profile(
             trainer.model, name="overhead", max_depth=depth, sample_every=sample_every
         ) as prof:
-            hooked += timed(prof)
+            hooked_round = timed(prof)
+        ratios.append(statistics.median(hooked_round) / statistics.median(bare_round))
+        bare += bare_round
+        hooked += hooked_round
     b, h = statistics.median(bare), statistics.median(hooked)
     return {"bare_step_ms_median": b * 1e3, "profiled_step_ms_median": h * 1e3,
-            "overhead": h / b - 1, "steps": len(bare), "rounds": rounds,
+            "overhead": statistics.median(ratios) - 1, "overhead_of_medians": h / b - 1,
+            "round_overheads": [r - 1 for r in ratios], "steps": len(bare), "rounds": rounds,
             "modules_hooked": len(prof.records()),
             "modules_per_step": -(-len(prof.records()) // sample_every)}  # fmt: skip
 

@@ -269,6 +269,10 @@ class Profile:
         ]
         self._labels = [_label(path, m) for path, m in self._modules]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # The modules each step hooks (by step number modulo sample_every), and those hooked now.
+        self._shares = [range(k, len(self._modules), sample_every) for k in range(sample_every)]
+        self._hooked: range = range(0)
+        self._hook_fns: list[tuple[Callable, Callable] | None] = [None] * len(self._modules)
         self._entered = False
         self._active = False
         self._clock: _HostClock | _CudaClock | None = None
@@ -316,17 +320,17 @@ class Profile:
         self._begin_step(now)
 
     def _register_hooks(self) -> None:
-        share = self._step % self.sample_every
+        self._hooked = self._shares[self._step % self.sample_every]
         try:
-            for i, (_, module) in enumerate(self._modules):
-                if i % self.sample_every != share:
-                    continue
+            for i in self._hooked:
+                module = self._modules[i][1]
+                if self._hook_fns[i] is None:
+                    self._hook_fns[i] = (self._pre_hook(i), self._post_hook(i))
+                pre, post = self._hook_fns[i]
                 # Our pre hook runs last and post hook first, so spans hold the module alone.
                 self._handles += [
-                    module.register_forward_pre_hook(self._pre_hook(i)),
-                    module.register_forward_hook(
-                        self._post_hook(i), prepend=True, always_call=True
-                    ),
+                    module.register_forward_pre_hook(pre),
+                    module.register_forward_hook(post, prepend=True, always_call=True),
                 ]
         except BaseException:
             self._remove_hooks()
@@ -361,8 +365,8 @@ class Profile:
             marks = {id(m): m for *_, a, b in self._pending for m in (a, b)}
             self._clock.release(list(marks.values()))
         self._pending.clear()
-        for calls in self._calls:
-            calls.clear()
+        for i in self._hooked:
+            self._calls[i].clear()
         self._bwd_open.clear()
         self._starts.clear()
         self._depth = 0
