@@ -88,7 +88,7 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
         "--sample-every",
         type=int,
         nargs="+",
-        default=[10, 20],
+        default=[10, 20, 40],
         help="sampled profiles of the overhead records: each hooks every module, one in this "
         "many per step (Profile's sample_every)",
     )
