@@ -13,14 +13,18 @@ from tests.script_loading import load_script
 probe = load_script("memory_efficient_gpt2/probes", "fixed_batch_lr_sweep")
 
 
-def test_one_run_per_lr_from_the_same_weights(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["fixed_batch_lr_sweep.py", "--lrs", "1e-3", "3e-3", "--quick",
-                                      "--steps", "3", "--cache", str(tmp_path / "cache"),
-                                      "--out", str(tmp_path)])  # fmt: skip
+def run_probe(tmp_path, monkeypatch, *flags: str) -> list[dict]:
+    """The probe in --quick mode with ``flags``; the records it wrote."""
+    monkeypatch.setattr(sys, "argv", ["fixed_batch_lr_sweep.py", "--quick", *flags,
+                                      "--cache", str(tmp_path / "cache"), "--out", str(tmp_path)])  # fmt: skip
     with pytest.raises(SystemExit) as e:
         run_main(probe.main)
     assert e.value.code == 0
-    records = read_records(tmp_path / "gpt2_fixed_batch_lr_sweep.jsonl")
+    return read_records(tmp_path / "gpt2_fixed_batch_lr_sweep.jsonl")
+
+
+def test_one_run_per_lr_from_the_same_weights(tmp_path, monkeypatch):
+    records = run_probe(tmp_path, monkeypatch, "--lrs", "1e-3", "3e-3", "--steps", "3")
     falls = [r for r in records if r["variant"] == "fall"]
     assert [f["metrics"]["lr"] for f in falls] == [1e-3, 3e-3]
     for fall in falls:
@@ -36,14 +40,8 @@ def test_one_run_per_lr_from_the_same_weights(tmp_path, monkeypatch):
 def test_batch_sizes_and_beta2_each_get_a_run_and_the_batch_its_entropies(tmp_path, monkeypatch):
     """The fixed batch of n sequences is the first n of the default one; each run's fall record
     carries its batch's unigram entropy, computed from that batch."""
-    monkeypatch.setattr(sys, "argv", ["fixed_batch_lr_sweep.py", "--lrs", "1e-3", "--quick",
-                                      "--batches", "2", "4", "--beta2s", "0.999", "0.95",
-                                      "--steps", "2", "--cache", str(tmp_path / "cache"),
-                                      "--out", str(tmp_path)])  # fmt: skip
-    with pytest.raises(SystemExit) as e:
-        run_main(probe.main)
-    assert e.value.code == 0
-    records = read_records(tmp_path / "gpt2_fixed_batch_lr_sweep.jsonl")
+    records = run_probe(tmp_path, monkeypatch, "--lrs", "1e-3", "--batches", "2", "4",
+                        "--beta2s", "0.999", "0.95", "--steps", "2")  # fmt: skip
     floors = {r["config"]["batch"]: r["metrics"] for r in records
               if r["variant"] == "batch_entropy"}  # fmt: skip
     assert set(floors) == {2, 4}
