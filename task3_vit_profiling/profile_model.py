@@ -25,7 +25,8 @@ it, which counts again the kernels whose launch stalled on a full command queue;
 the same iterations: one execution) or ``separate_passes`` (torch.profiler's pass, then
 Profile's), and per comparison a ``layer_agreement`` record (share of the modules over 1 ms whose
 times agree within 10%, against either reference); and ``overhead`` records (median step time
-with Profile recording every step against the bare step, in interleaved rounds, at the pipeline's
+with Profile recording every step against the bare step, in interleaved rounds (at least
+``--overhead-rounds``, more until ``--overhead-seconds`` of steps), at the pipeline's
 batch and the comparison batch, hooking every module, hooking modules to ``--shallow-depth``, and
 hooking every module in one of every ``--sample-every`` steps).
 
@@ -67,10 +68,21 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overhead-rounds",
         type=int,
-        default=5,
-        help="interleaved bare/profiled rounds of the overhead measurement",
+        default=3,
+        help="interleaved bare/profiled rounds of each overhead measurement, at least",
     )
-    p.add_argument("--overhead-steps", type=int, default=10, help="timed steps per round (rounded up to whole rotations of a sampled profile)")  # fmt: skip
+    p.add_argument(
+        "--overhead-seconds",
+        type=float,
+        default=20.0,
+        help="more rounds until the variant's bare and profiled steps took this long",
+    )
+    p.add_argument(
+        "--overhead-steps",
+        type=int,
+        default=10,
+        help="timed steps per round (rounded up to whole rotations of a sampled profile)",
+    )
     p.add_argument(
         "--compare-batch-size",
         type=int,
@@ -352,15 +364,22 @@ def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
 
 
 def profile_overhead(
-    trainer: vp.Trainer, x, y, rounds: int, steps: int, depth: int | None, sample_every: int = 1
+    trainer: vp.Trainer,
+    x,
+    y,
+    rounds: int,
+    seconds: float,
+    steps: int,
+    depth: int | None,
+    sample_every: int = 1,
 ) -> dict:
     """Training-step time on one batch already on the device, bare and with Profile (hooking
     modules to ``depth``, None: all; one in ``sample_every`` of them per step) recording every
-    step, in ``rounds`` interleaved rounds of ``steps`` steps each, rounded up to whole rotations
-    of the sampled modules (device time: CUDA events; host clock on the CPU). ``overhead`` is
-    the median over rounds of each profiled round's median step over the bare round's before
-    it (a drift of the host's speed between rounds cancels); ``overhead_of_medians`` pools all
-    steps."""
+    step, in interleaved rounds of ``steps`` steps each, rounded up to whole rotations of the
+    sampled modules: at least ``rounds`` rounds, more until the steps took ``seconds`` (device
+    time: CUDA events; host clock on the CPU). ``overhead`` is the median over rounds of each
+    profiled round's median step over the bare round's before it (a drift of the host's speed
+    between rounds cancels); ``overhead_of_medians`` pools all steps."""
     trainer.model.train()
     steps = -(-steps // sample_every) * sample_every
 
@@ -375,7 +394,7 @@ def profile_overhead(
 
     timed(None)  # warm-up: lazy initialisation, cuDNN/cuBLAS choices
     bare, hooked, ratios = [], [], []
-    for _ in range(rounds):
+    while len(ratios) < rounds or sum(bare) + sum(hooked) < seconds:
         bare_round = timed(None)
         with layer_profiler.Profile(
             trainer.model, name="overhead", max_depth=depth, sample_every=sample_every
@@ -387,7 +406,7 @@ def profile_overhead(
     b, h = statistics.median(bare), statistics.median(hooked)
     return {"bare_step_ms_median": b * 1e3, "profiled_step_ms_median": h * 1e3,
             "overhead": statistics.median(ratios) - 1, "overhead_of_medians": h / b - 1,
-            "round_overheads": [r - 1 for r in ratios], "steps": len(bare), "rounds": rounds,
+            "round_overheads": [r - 1 for r in ratios], "steps": len(bare), "rounds": len(ratios),
             "modules_hooked": len(prof.records()),
             "modules_per_step": -(-len(prof.records()) // sample_every)}  # fmt: skip
 
@@ -397,6 +416,7 @@ def main() -> None:
         __doc__.splitlines()[0], default_out="runs/vit/profile", extra=add_schedule_args
     )
     require_positive(args, "active", "log_ops", "overhead_rounds", "overhead_steps", "sample_every")
+    require_positive(args, "overhead_seconds", minimum=0)
     require_positive(args, "shallow_depth", minimum=0)
     if args.compare_batch_size is not None:
         require_positive(args, "compare_batch_size")
@@ -447,7 +467,14 @@ def main() -> None:
         hookings = [(None, 1), (args.shallow_depth, 1), *((None, n) for n in args.sample_every)]
         for depth, every in hookings:
             overhead = profile_overhead(
-                trainer, x, y, args.overhead_rounds, args.overhead_steps, depth, every
+                trainer,
+                x,
+                y,
+                args.overhead_rounds,
+                args.overhead_seconds,
+                args.overhead_steps,
+                depth,
+                every,
             )
             hooks = {"max_depth": depth, "sample_every": every}
             run.log.log(name, {**at, "kind": "overhead", **hooks}, overhead)

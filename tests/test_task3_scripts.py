@@ -224,7 +224,7 @@ def test_the_training_step_as_given_waits_for_the_gpu():
 def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
     argv = [sys.executable, str(TASK3 / "profile_model.py"), "--quick", "--pipeline", "fixed",
             "--max-images", "40", "--data-cache", str(data_cache), "--out", str(tmp_path),
-            "--wait", "0", "--warmup", "0", "--active", "1", "--overhead-rounds", "1",
+            "--wait", "0", "--warmup", "0", "--active", "1", "--overhead-rounds", "1", "--overhead-seconds", "0",
             "--overhead-steps", "1", "--batch-size", "4", "--compare-batch-size", "6",
             "--shallow-depth", "2", "--sample-every", "2", "3"]  # fmt: skip
     res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
