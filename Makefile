@@ -52,8 +52,8 @@ demo-task3: $(STAMP)
 	@echo "== task3_vit_profiling: one ViT epoch + validation and a profile, the pipeline as given and fixed (quick)"
 	$(PY) task3_vit_profiling/train.py --quick --device cpu --pipeline as_given --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit
 	$(PY) task3_vit_profiling/train.py --quick --device cpu --pipeline fixed --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit
-	$(PY) task3_vit_profiling/profile_model.py --quick --device cpu --pipeline as_given --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit --wait 0 --warmup 1 --active 1 --overhead-rounds 1 --overhead-seconds 0 --overhead-steps 1 --sample-every 2
-	$(PY) task3_vit_profiling/profile_model.py --quick --device cpu --pipeline fixed --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit --wait 0 --warmup 1 --active 1 --overhead-rounds 1 --overhead-seconds 0 --overhead-steps 1 --sample-every 2
+	$(PY) task3_vit_profiling/profile_model.py --quick --device cpu --pipeline as_given --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit --wait 0 --warmup 1 --active 1 --overhead-rounds 1 --overhead-seconds 0 --overhead-steps 1 --sample-every 2 --compare-sample-every 2
+	$(PY) task3_vit_profiling/profile_model.py --quick --device cpu --pipeline fixed --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit --wait 0 --warmup 1 --active 1 --overhead-rounds 1 --overhead-seconds 0 --overhead-steps 1 --sample-every 2 --compare-sample-every 2
 demo-gpt2: $(STAMP)
 	@echo "== memory_efficient_gpt2: offloaded Adam on a tiny GPT-2 (quick)"
 	$(PY) memory_efficient_gpt2/train.py --quick --out $(RUNS)/gpt2

@@ -22,7 +22,9 @@ per-layer GPU times mean little: a larger batch keeps the GPU busy), ``layer_com
 (each module's forward: Profile's CUDA-event time per call against torch.profiler's device time
 of the kernels launched inside the module's range, each kernel once, and as key_averages sums
 it, which counts again the kernels whose launch stalled on a full command queue; same schedule), with ``config.comparison`` ``same_iterations`` (both profilers record
-the same iterations: one execution) or ``separate_passes`` (torch.profiler's pass, then
+the same iterations: one execution), ``same_iterations_sampled`` (the same, with Profile hooking
+one in ``--compare-sample-every`` modules per step: ``config.sample_every``) or
+``separate_passes`` (torch.profiler's pass, then
 Profile's), and per comparison a ``layer_agreement`` record (share of the modules over 1 ms whose
 times agree within 10%, against either reference); and ``overhead`` records (median step time
 with Profile recording every step against the bare step, in interleaved rounds (at least
@@ -95,6 +97,13 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
         default=4,
         help="module depth of the shallow profile in the overhead records (4: each block's "
         "attention and feed-forward)",
+    )
+    p.add_argument(
+        "--compare-sample-every",
+        type=int,
+        default=20,
+        help="a third layer comparison with Profile hooking one in this many modules per step "
+        "(1: none)",
     )
     p.add_argument(
         "--sample-every",
@@ -338,19 +347,23 @@ def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
     on the same resident batch and schedule, two ways: both recording the same iterations
     (Profile's stamps inside the ranges: one execution, one set of kernels), and in separate
     passes, torch.profiler's then Profile's (neither pays for the other's hooks, but clocks,
-    temperature and the profiler's own start-up may differ between the passes)."""
-    n = args.wait + args.warmup + args.active
+    temperature and the profiler's own start-up may differ between the passes). With
+    ``--compare-sample-every n`` > 1, a third: the same iterations, ``n`` or more of them, with
+    Profile hooking one n-th of the modules per step (each module's time from the steps it was
+    hooked in)."""
     activities = [ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
 
-    def torch_profiler():
-        sched = schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1)
+    def torch_profiler(active: int = args.active):
+        sched = schedule(wait=args.wait, warmup=args.warmup, active=active, repeat=1)
         return profile(activities=activities, schedule=sched)
 
-    def layer_profile():
-        sched = layer_profiler.Schedule(wait=args.wait, warmup=args.warmup, active=args.active)
-        return layer_profiler.Profile(trainer.model, schedule=sched)
+    def layer_profile(active: int = args.active, sample_every: int = 1):
+        sched = layer_profiler.Schedule(wait=args.wait, warmup=args.warmup, active=active)
+        return layer_profiler.Profile(trainer.model, schedule=sched, sample_every=sample_every)
+
+    n = args.wait + args.warmup + args.active
 
     # The ranges' hooks are registered first: Profile's stamps run inside each range.
     with module_ranges(trainer.model), torch_profiler() as ref, layer_profile() as prof:
@@ -360,7 +373,19 @@ def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
         resident_steps(trainer, x, y, n, ref.step)
     with layer_profile() as prof:
         resident_steps(trainer, x, y, n, prof.step)
-    return {"same_iterations": same, "separate_passes": layer_comparison(ref, prof.records())}
+    compared = {"same_iterations": same, "separate_passes": layer_comparison(ref, prof.records())}
+    every = args.compare_sample_every
+    if every > 1:
+        active = max(args.active, every)
+        steps = args.wait + args.warmup + active
+        with (
+            module_ranges(trainer.model),
+            torch_profiler(active) as ref,
+            layer_profile(active, every) as prof,
+        ):
+            resident_steps(trainer, x, y, steps, lambda: (ref.step(), prof.step()))
+        compared["same_iterations_sampled"] = layer_comparison(ref, prof.records())
+    return compared
 
 
 def profile_overhead(
@@ -417,6 +442,7 @@ def main() -> None:
     )
     require_positive(args, "active", "log_ops", "overhead_rounds", "overhead_steps", "sample_every")
     require_positive(args, "overhead_seconds", minimum=0)
+    require_positive(args, "compare_sample_every")
     require_positive(args, "shallow_depth", minimum=0)
     if args.compare_batch_size is not None:
         require_positive(args, "compare_batch_size")
@@ -450,14 +476,12 @@ def main() -> None:
         if batch_size == compare_batch:
             compared = compare_layers(trainer, x, y, args)
             for comparison, rows in compared.items():
+                every = args.compare_sample_every if comparison.endswith("_sampled") else 1
+                cmp = {"comparison": comparison, "sample_every": every}
                 for row in rows:
-                    run.log.log(
-                        name, {**at, "kind": "layer_compare", "comparison": comparison}, row
-                    )
+                    run.log.log(name, {**at, "kind": "layer_compare", **cmp}, row)
                 agreed = agreement(rows)
-                run.log.log(
-                    name, {**at, "kind": "layer_agreement", "comparison": comparison}, agreed
-                )
+                run.log.log(name, {**at, "kind": "layer_agreement", **cmp}, agreed)
                 print_table(
                     sorted(rows, key=lambda r: -r["torch_fwd_ms"])[:15],
                     title=f"Forward per call at batch {compare_batch}, {comparison}: "

@@ -226,7 +226,7 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
             "--max-images", "40", "--data-cache", str(data_cache), "--out", str(tmp_path),
             "--wait", "0", "--warmup", "0", "--active", "1", "--overhead-rounds", "1", "--overhead-seconds", "0",
             "--overhead-steps", "1", "--batch-size", "4", "--compare-batch-size", "6",
-            "--shallow-depth", "2", "--sample-every", "2", "3"]  # fmt: skip
+            "--shallow-depth", "2", "--sample-every", "2", "3", "--compare-sample-every", "3"]  # fmt: skip
     res = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     records = read_records(tmp_path / "vit_profile_ops.jsonl")
@@ -239,11 +239,14 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
     parts = sum(ranges[n]["cpu_ms_per_iter"] for n in ranges if n != "step")
     assert parts <= ranges["step"]["cpu_ms_per_iter"] * 1.01  # the ranges nest in the iteration
     compared = [r for r in records if r["config"]["kind"] == "layer_compare"]
-    comparisons = ("same_iterations", "separate_passes")
+    comparisons = ("same_iterations", "separate_passes", "same_iterations_sampled")
     for comparison in comparisons:
         rows = {r["metrics"]["path"]: r["metrics"] for r in compared
                 if r["config"]["comparison"] == comparison}  # fmt: skip
         assert {"transformer", "mlp_head"} <= set(rows), comparison
+        every = {r["config"]["sample_every"] for r in compared
+                 if r["config"]["comparison"] == comparison}  # fmt: skip
+        assert every == {3 if comparison.endswith("_sampled") else 1}
         # on the CPU there are no kernels: both references are the range's host time
         assert all(r["torch_fwd_ms"] > 0 for r in rows.values())
         assert all(r["torch_key_averages_ms"] == pytest.approx(r["torch_fwd_ms"])
