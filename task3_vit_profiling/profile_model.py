@@ -500,7 +500,8 @@ def main() -> None:
                 depth,
                 every,
             )
-            hooks = {"max_depth": depth, "sample_every": every}
+            hooks = {"max_depth": depth, "sample_every": every,
+                     "overhead_seconds": args.overhead_seconds}  # fmt: skip
             run.log.log(name, {**at, "kind": "overhead", **hooks}, overhead)
             measured.append({"batch": batch_size, **hooks, **overhead})
     print_table(measured_agreement, title="Modules over 1 ms within 10% of torch.profiler's time")
