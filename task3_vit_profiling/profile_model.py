@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -389,24 +390,17 @@ def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
 
 
 def profile_overhead(
-    trainer: vp.Trainer,
-    x,
-    y,
-    rounds: int,
-    seconds: float,
-    steps: int,
-    depth: int | None,
-    sample_every: int = 1,
+    trainer: vp.Trainer, x, y, args, depth: int | None, sample_every: int = 1
 ) -> dict:
     """Training-step time on one batch already on the device, bare and with Profile (hooking
     modules to ``depth``, None: all; one in ``sample_every`` of them per step) recording every
-    step, in interleaved rounds of ``steps`` steps each, rounded up to whole rotations of the
-    sampled modules: at least ``rounds`` rounds, more until the steps took ``seconds`` (device
-    time: CUDA events; host clock on the CPU). ``overhead`` is the median over rounds of each
+    step, in interleaved rounds of ``--overhead-steps`` steps each, rounded up to whole
+    rotations of the sampled modules: at least ``--overhead-rounds`` rounds, more until the
+    steps took ``--overhead-seconds`` (device time: CUDA events; host clock on the CPU). ``overhead`` is the median over rounds of each
     profiled round's median step over the bare round's before it (a drift of the host's speed
     between rounds cancels); ``overhead_of_medians`` pools all steps."""
     trainer.model.train()
-    steps = -(-steps // sample_every) * sample_every
+    steps = math.ceil(args.overhead_steps / sample_every) * sample_every
 
     def timed(prof: layer_profiler.Profile | None) -> list[float]:
         timer = RegionTimer(trainer.device)
@@ -419,7 +413,7 @@ def profile_overhead(
 
     timed(None)  # warm-up: lazy initialisation, cuDNN/cuBLAS choices
     bare, hooked, ratios = [], [], []
-    while len(ratios) < rounds or sum(bare) + sum(hooked) < seconds:
+    while len(ratios) < args.overhead_rounds or sum(bare) + sum(hooked) < args.overhead_seconds:
         bare_round = timed(None)
         with layer_profiler.Profile(
             trainer.model, name="overhead", max_depth=depth, sample_every=sample_every
@@ -433,7 +427,7 @@ def profile_overhead(
             "overhead": statistics.median(ratios) - 1, "overhead_of_medians": h / b - 1,
             "round_overheads": [r - 1 for r in ratios], "steps": len(bare), "rounds": len(ratios),
             "modules_hooked": len(prof.records()),
-            "modules_per_step": -(-len(prof.records()) // sample_every)}  # fmt: skip
+            "modules_per_step": math.ceil(len(prof.records()) / sample_every)}  # fmt: skip
 
 
 def main() -> None:
@@ -490,20 +484,14 @@ def main() -> None:
                 measured_agreement.append({"comparison": comparison, **agreed})
         hookings = [(None, 1), (args.shallow_depth, 1), *((None, n) for n in args.sample_every)]
         for depth, every in hookings:
-            overhead = profile_overhead(
-                trainer,
-                x,
-                y,
-                args.overhead_rounds,
-                args.overhead_seconds,
-                args.overhead_steps,
-                depth,
-                every,
-            )
+            overhead = profile_overhead(trainer, x, y, args, depth, every)
             hooks = {"max_depth": depth, "sample_every": every,
                      "overhead_seconds": args.overhead_seconds}  # fmt: skip
             run.log.log(name, {**at, "kind": "overhead", **hooks}, overhead)
-            measured.append({"batch": batch_size, **hooks, **overhead})
+            spread = overhead["round_overheads"]  # the table gives their range
+            row = {k: v for k, v in overhead.items() if k != "round_overheads"}
+            measured.append({"batch": batch_size, **hooks, **row, "round_min": min(spread),
+                             "round_max": max(spread)})  # fmt: skip
     print_table(measured_agreement, title="Modules over 1 ms within 10% of torch.profiler's time")
     print_table(measured, title="Profile overhead on a resident batch")
     print(f"\nwritten to {out}: {LOG}, {name}_ops.txt, {name}_torch_trace.json, "

@@ -8,7 +8,6 @@ its token frequencies (unigram) or the next token's frequencies after each token
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from torch import Tensor
 
 from effdl.data.corpus import CorpusFormatError
+from effdl.data.stdlib_text import unigram_entropy
 
 
 def synthetic_stream(n_tokens: int, vocab: int, seed: int) -> Tensor:
@@ -100,13 +100,12 @@ def next_token_entropies(batch: Tensor) -> dict[str, float | int]:
         raise ValueError(f"expected (rows, length >= 2) token ids, got shape {tuple(batch.shape)}")
     prev, target = batch[:, :-1].reshape(-1).long(), batch[:, 1:].reshape(-1).long()
 
-    def plogp_sum(keys: Tensor) -> float:  # sum over distinct keys of c * log(c)
-        counts = keys.unique(return_counts=True)[1].double()
-        return float((counts * counts.log()).sum())
+    def entropy(keys: Tensor) -> float:  # of the distinct keys' frequencies
+        return unigram_entropy(keys.unique(return_counts=True)[1].numpy())
 
     n = target.numel()
-    unigram = math.log(n) - plogp_sum(target) / n
-    pairs = prev * (int(target.max()) + 1) + target
-    bigram = (plogp_sum(prev) - plogp_sum(pairs)) / n
+    unigram = entropy(target)
+    # H(next | previous) = H(previous, next) - H(previous)
+    bigram = entropy(prev * (int(target.max()) + 1) + target) - entropy(prev)
     return {"targets": n, "distinct": int(target.unique().numel()), "unigram": unigram,
             "bigram": bigram}  # fmt: skip

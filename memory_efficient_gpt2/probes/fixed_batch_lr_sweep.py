@@ -65,8 +65,7 @@ def main() -> None:
         run.log.log("batch_entropy", {"batch": batch, "seq": cfg.seq, **data}, floors)
         for lr, beta2 in itertools.product(known.lrs, known.beta2s):
             at = dataclasses.replace(at_batch, lr=lr)
-            config = {**{k: str(v) if isinstance(v, Path) else v
-                         for k, v in dataclasses.asdict(at).items()}, "beta2": beta2, **data}  # fmt: skip
+            config = {**dataclasses.asdict(at), "beta2": beta2, **data}  # paths: the log writes str
             rows = train.run_reference(
                 at, batches, run.device, run.log, args.seed, config, betas=(0.9, beta2)
             )
