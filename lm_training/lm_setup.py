@@ -10,7 +10,7 @@ with FSDP2 (``fully_shard`` per block, then the root).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,12 +127,12 @@ def gradient_sync(model: nn.Module, last_micro_batch: bool) -> AbstractContextMa
 
 
 def make_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, fused: bool
+    params: Iterable[torch.Tensor], lr: float, weight_decay: float, fused: bool
 ) -> torch.optim.AdamW:
     """AdamW (betas 0.9/0.95) with weight decay on matrices only (not on norm gains).
     ``fused``: one kernel per parameter group for the whole update instead of torch's default
     multi-tensor (foreach) kernels per operation."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},

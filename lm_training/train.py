@@ -1,8 +1,8 @@
 """Train a Llama-3 model and measure it: tokens/s, TFLOP/s, MFU, memory; loss on real text.
 
 One loop for every variant: model size (``--model``), sequence length, per-GPU batch and
-gradient accumulation, bf16 compute over fp32 master weights (autocast, or FSDP2's mixed
-precision), fused AdamW, per-block torch.compile, packed or padded data, and one or more
+gradient accumulation, bf16 compute over fp32 master weights (autocast over fp32 parameters,
+bf16 parameters with fp32 masters in the optimizer, or FSDP2's mixed precision), fused AdamW, per-block torch.compile, packed or padded data, and one or more
 processes (DDP or FSDP2 under torchrun). Warm-up + cosine LR, gradient clipping, held-out loss.
 
     python lm_training/train.py --quick                                    # CPU smoke run
@@ -23,6 +23,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import lm_data
@@ -50,6 +51,7 @@ from effdl.data.parquet import TEXT_COLUMN, as_encoder
 from effdl.data.stdlib_text import DEFAULT_CACHE, token_counts, unigram_entropy
 from effdl.models.llama import PRESETS, TransformerModelArgs
 from effdl.optim import warmup_cosine_lr
+from effdl.optim.master_weights import MasterWeights
 from effdl.profiling.flops import llama_train_flops_per_token, peak_bf16_tflops
 from effdl.profiling.kernel_split import kernel_split, read_trace_events
 from effdl.profiling.timing import RegionTimer, take_peak_memory
@@ -59,6 +61,7 @@ TASK = "lm_training"
 LOG = "lm_training.jsonl"
 TABLE = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_gib")
 SUMMARY = ("tokens_per_s", "tflops", "mfu", "mfu_measured", "step_s", "peak_gib")
+PRECISIONS = ("autocast", "master", "fsdp-mp")
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class TrainConfig:
         require_choices(self, "model", PRESETS)
         require_choices(self, "dtype", ("bf16", "fp32"))
         require_choices(self, "attention", lm_setup.ATTENTION_BACKENDS)
-        require_choices(self, "precision", ("autocast", "fsdp-mp"))
+        require_choices(self, "precision", PRECISIONS)
         require_choices(self, "dataset", ("iterable", "padded"))
         require_choices(self, "parallel", ("none", "ddp", "fsdp"))
         require_positive(
@@ -131,6 +134,11 @@ class TrainConfig:
             raise UsageError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if self.precision == "fsdp-mp" and (self.parallel != "fsdp" or self.dtype != "bf16"):
             raise UsageError("--precision fsdp-mp needs --parallel fsdp and --dtype bf16")
+        if self.precision == "master" and (self.parallel != "none" or self.dtype != "bf16"):
+            raise UsageError(
+                "--precision master needs --parallel none and --dtype bf16 "
+                "(DDP and FSDP own the parameters' gradients: use --precision fsdp-mp)"
+            )
         if self.timing_warmup >= self.steps:
             raise UsageError(
                 f"--timing-warmup {self.timing_warmup} leaves none of --steps {self.steps}"
@@ -200,11 +208,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add(
         "attention", choices=lm_setup.ATTENTION_BACKENDS, help="SDPA backend; auto = torch's choice"
     )
-    flags.add("dtype", choices=["bf16", "fp32"], help="compute dtype; weights stay fp32")
+    flags.add("dtype", choices=["bf16", "fp32"], help="compute dtype; master weights stay fp32")
     flags.add(
         "precision",
-        choices=["autocast", "fsdp-mp"],
-        help="how bf16 compute is done: torch.autocast, or FSDP2 MixedPrecisionPolicy",
+        choices=list(PRECISIONS),
+        help="how bf16 compute is done: torch.autocast over fp32 parameters; master: bf16 "
+        "parameters, fp32 masters and gradient sums in the optimizer; FSDP2 MixedPrecisionPolicy",
     )
     flags.add(
         "dataset",
@@ -389,8 +398,19 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
     fsdp_bf16 = cfg.precision == "fsdp-mp"
     model = lm_setup.wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d)
     model.train()
-    opt = lm_setup.make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.fused_optimizer)
-    autocast = cfg.dtype == "bf16" and not fsdp_bf16
+    make_opt = partial(
+        lm_setup.make_optimizer,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        fused=cfg.fused_optimizer,
+    )
+    if cfg.precision == "master":
+        opt = MasterWeights(model, make_opt, torch.bfloat16)
+        grad_params = opt.masters  # the tensors whose .grad holds the step's gradients
+    else:
+        opt = make_opt(model.parameters())
+        grad_params = [p for p in model.parameters() if p.requires_grad]
+    autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"
     compute = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast)
     loss_fn = torch.compile(token_loss_sum) if cfg.compile else token_loss_sum
 
@@ -476,7 +496,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
                     (part * (d.world / n_labels)).backward()
                 loss_sum += part.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+                grad_params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             )
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()

@@ -48,6 +48,8 @@ def test_presets_are_valid(preset):
             {"parallel": "fsdp", "precision": "fsdp-mp", "dtype": "fp32"},
             "needs --parallel fsdp and --dtype bf16",
         ),
+        ({"precision": "master", "parallel": "ddp"}, "--precision master needs --parallel none"),
+        ({"precision": "master", "dtype": "fp32"}, "--precision master needs .* --dtype bf16"),
         ({"timing_warmup": 60}, "--timing-warmup 60 leaves none of --steps 60"),
         ({"tokenizer": Path("/nonexistent/tok")}, "--tokenizer: /nonexistent/tok does not exist"),
     ],
@@ -148,6 +150,31 @@ def test_quick_run_writes_sane_records(cache, tmp_path):
     summary = records[-1]["metrics"]
     assert summary["timed_steps"] == 2 and summary["final_loss"] == steps[-1]["loss"]
     assert records[0]["metrics"]["unigram_entropy_nats"] < math.log(512)
+
+
+def test_bf16_parameters_with_fp32_masters_train_like_autocast(cache, tmp_path):
+    """The same bf16 compute two ways (autocast over fp32 parameters; bf16 parameters with fp32
+    masters and gradient sums): the same losses up to bf16 rounding."""
+    losses = {}
+    for precision in ("autocast", "master"):
+        out = tmp_path / precision
+        steps = (
+            "--steps",
+            "6",
+            "--eval-every",
+            "0",
+            "--log-every",
+            "6",
+            "--grad-accumulation",
+            "2",
+        )
+        train.main(quick_args(cache, out, *steps, "--dtype", "bf16", "--precision", precision))
+        records = read_records(out / train.LOG)
+        losses[precision] = [r["metrics"]["loss"] for r in records if r["variant"].endswith("able")]
+    assert len(losses["master"]) == 6
+    assert losses["master"][-1] < losses["master"][0] - 0.3
+    for a, b in zip(losses["autocast"], losses["master"], strict=True):
+        assert a == pytest.approx(b, abs=0.03)
 
 
 def test_loss_falls_below_the_unigram_entropy(cache, tmp_path):

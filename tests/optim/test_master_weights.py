@@ -1,0 +1,107 @@
+"""MasterWeights against torch.optim.AdamW on fp32 parameters fed the same gradients."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from effdl.optim.master_weights import MasterWeights
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+
+
+def adamw(params) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def micro_batches(step: int, n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)) for _ in range(n)]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dtype = next(model.parameters()).dtype
+    return (model(x.to(dtype)).float() - y).pow(2).mean()
+
+
+def test_fp32_working_weights_train_exactly_like_adamw():
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    ref_opt = adamw(reference.parameters())
+    holder = MasterWeights(model, adamw, dtype=torch.float32)
+    for step in range(4):
+        for x, y in micro_batches(step):
+            loss_of(reference, x, y).backward()
+            loss_of(model, x, y).backward()
+        assert all(p.grad is None for p in model.parameters())  # moved to the masters
+        ref_opt.step()
+        ref_opt.zero_grad()
+        holder.step()
+        holder.zero_grad()
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_masters_get_the_fp32_sum_of_the_bf16_gradients():
+    """Brute force: the same bf16 model run bare, its micro-batch gradients summed in fp32 and
+    given to AdamW on fp32 copies; the model then holds those masters rounded to bf16."""
+    model = small_model()
+    masters_ref = [p.detach().clone() for p in model.parameters()]
+    bare = copy.deepcopy(model).to(torch.bfloat16)  # the same bf16 weights, without hooks
+    holder = MasterWeights(model, adamw)
+    ref_opt = adamw(masters_ref)
+    for step in range(3):
+        sums = [torch.zeros_like(m) for m in masters_ref]
+        for x, y in micro_batches(step):
+            loss_of(model, x, y).backward()
+            bare.zero_grad(set_to_none=True)
+            loss_of(bare, x, y).backward()
+            for s, p in zip(sums, bare.parameters(), strict=True):
+                s += p.grad.float()
+        for m, s in zip(masters_ref, sums, strict=True):
+            m.grad = s
+        ref_opt.step()
+        holder.step()
+        holder.zero_grad()
+        with torch.no_grad():
+            for b, m in zip(bare.parameters(), masters_ref, strict=True):
+                b.copy_(m)
+    for mine, ref in zip(holder.masters, masters_ref, strict=True):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+    for p, ref in zip(model.parameters(), masters_ref, strict=True):
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p, ref.to(torch.bfloat16))
+
+
+def test_clipping_the_masters_matches_clipping_fp32_parameters():
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    holder = MasterWeights(model, adamw, dtype=torch.float32)
+    x, y = micro_batches(0, 1)[0]
+    loss_of(reference, x, y).backward()
+    loss_of(model, x, y).backward()
+    expected = nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    got = nn.utils.clip_grad_norm_(holder.masters, 0.1)
+    torch.testing.assert_close(got, expected)
+
+
+def test_refuses_low_precision_models_and_empty_ones():
+    with pytest.raises(ValueError, match="build the model in float32"):
+        MasterWeights(small_model().to(torch.bfloat16), adamw)
+    frozen = small_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        MasterWeights(frozen, adamw)
+
+
+def test_close_removes_the_hooks():
+    model = small_model()
+    holder = MasterWeights(model, adamw, dtype=torch.float32)
+    holder.close()
+    x, y = micro_batches(0, 1)[0]
+    loss_of(model, x, y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(m.grad is None for m in holder.masters)
