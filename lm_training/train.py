@@ -2,8 +2,9 @@
 
 One loop for every variant: model size (``--model``), sequence length, per-GPU batch and
 gradient accumulation, bf16 compute over fp32 master weights (autocast over fp32 parameters,
-bf16 parameters with fp32 masters in the optimizer, or FSDP2's mixed precision), fused AdamW, per-block torch.compile, packed or padded data, and one or more
-processes (DDP or FSDP2 under torchrun). Warm-up + cosine LR, gradient clipping, held-out loss.
+bf16 parameters with fp32 masters in the optimizer, or FSDP2's mixed precision), fused AdamW,
+per-block torch.compile, packed or padded data, and one or more processes (DDP or FSDP2 under
+torchrun). Warm-up + cosine LR, gradient clipping, held-out loss.
 
     python lm_training/train.py --quick                                    # CPU smoke run
     python lm_training/train.py --model 1b --fused-optimizer --compile     # one GPU
