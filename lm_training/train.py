@@ -81,7 +81,6 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     fused_optimizer: bool = False
-    fused_projections: bool = False
     compile: bool = False
     attention: str = "auto"  # SDPA backend (lm_setup.ATTENTION_BACKENDS)
     dtype: str = "bf16"
@@ -163,7 +162,6 @@ class TrainConfig:
             f"b{self.batch_size}x{self.grad_accumulation}",
             compute,
             "fused" if self.fused_optimizer else "",
-            "qkv13" if self.fused_projections else "",
             "compile" if self.compile else "",
             self.dataset,
             f"{self.parallel}{world}" if self.parallel != "none" else "",
@@ -207,12 +205,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("weight_decay", type=float)
     flags.add("grad_clip", type=float, help="max gradient norm; 0 = off")
     flags.add("fused_optimizer", action="store_true", help="AdamW(fused=True)")
-    flags.add(
-        "fused_projections",
-        action="store_true",
-        help="one GEMM for q, k, v and one for gate and up (the --profile trace then has no "
-        "separate w1/w3 ranges)",
-    )
     flags.add("compile", action="store_true", help="torch.compile each block and the loss")
     flags.add(
         "attention", choices=lm_setup.ATTENTION_BACKENDS, help="SDPA backend; auto = torch's choice"
@@ -257,11 +249,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def model_args(cfg: TrainConfig, tokenizer_vocab: int) -> TransformerModelArgs:
-    args = dataclasses.replace(
-        PRESETS[cfg.model],
-        seq_len=cfg.sequence_length,
-        fused_projections=cfg.fused_projections,
-    )
+    args = dataclasses.replace(PRESETS[cfg.model], seq_len=cfg.sequence_length)
     if cfg.vocab_size is not None:
         args = dataclasses.replace(args, vocab_size=cfg.vocab_size)
     if tokenizer_vocab > args.vocab_size:

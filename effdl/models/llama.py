@@ -39,10 +39,7 @@ class TransformerModelArgs:
 
     ``vocab_size`` has no usable default (it is the tokenizer's size) and must be set.
     ``n_kv_heads=None`` means one key/value head per query head (plain multi-head attention).
-    ``seq_len`` is the longest sequence the rotary tables cover. ``fused_projections`` runs one
-    GEMM for q, k and v and one for the gate and up projections, over their weights concatenated
-    in each forward (the parameters stay separate, as in Meta's and Hugging Face's checkpoints):
-    wider GEMMs use the GPU better than the narrow k and v ones, for a copy of the weights.
+    ``seq_len`` is the longest sequence the rotary tables cover.
     """
 
     dim: int = 4096
@@ -55,7 +52,6 @@ class TransformerModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     seq_len: int = 2048
-    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1:
@@ -194,7 +190,6 @@ class Attention(nn.Module):
     def __init__(self, args: TransformerModelArgs) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.fused = args.fused_projections
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
@@ -202,15 +197,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        if self.fused:
-            w = torch.cat((self.wq.weight, self.wk.weight, self.wv.weight))
-            kv_width = self.kv_heads * self.head_dim
-            q, k, v = F.linear(x, w).split((w.shape[0] - 2 * kv_width, kv_width, kv_width), -1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             apply_rotary(q, cos, sin),
             apply_rotary(k, cos, sin),
@@ -230,14 +219,9 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, hidden, bias=False)
-        self.fused = args.fused_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate, up = F.linear(x, torch.cat((self.w1.weight, self.w3.weight))).chunk(2, -1)
-        else:
-            gate, up = self.w1(x), self.w3(x)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
