@@ -503,7 +503,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
                 grad_norm = grad_norm.full_tensor()
             with record_function("optimizer_step"):
                 opt.step()
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad()
             timer.stop()
             pending.append(
                 {

@@ -1,4 +1,4 @@
-"""Low-precision working weights trained through fp32 master weights on the same device.
+"""Low-precision working weights trained through flat fp32 master weights on the same device.
 
 The mixed-precision recipe of Micikevicius et al. (2018) without autocast: the model's
 parameters *are* bf16, so the forward and backward read them as they are; the optimizer owns an
@@ -10,11 +10,17 @@ Why not autocast over fp32 parameters: autocast casts every weight to bf16 in ev
 to fp32 (6 B more) before adding it to ``.grad`` (12 B), and the embedding's fp32 output keeps
 the whole residual stream in fp32. Here a micro-batch costs one fp32 add of the bf16 gradient
 (10 B per parameter; the first micro-batch of a step a cast, 6 B), the step one bf16 copy of the
-masters (6 B), and the residual stream is bf16. The update itself is unchanged: the same
-optimizer on the same fp32 values as with fp32 parameters.
+masters (6 B), and the residual stream is bf16.
 
-A post-accumulate-grad hook moves each working gradient into its master's ``.grad`` as soon as
-autograd has it and frees it, so the device never holds more than one parameter's bf16
+Masters, their gradient sums and the working weights are each one flat buffer per optimizer
+parameter group (as Megatron-LM's contiguous gradient buffer), every parameter a view into
+them, and the optimizer runs over the flat buffers: its update, a gradient norm and the copy
+into the model are each a few kernels over long contiguous memory instead of one small launch
+per parameter. This is exact for optimizers that act element by element (SGD, Adam, AdamW...),
+not for ones with per-tensor statistics (LAMB, Adafactor).
+
+A post-accumulate-grad hook adds each working gradient into its slice of the fp32 sum as soon
+as autograd has it and frees it, so the device never holds more than one parameter's bf16
 gradient at a time. Not for DDP or FSDP, which own ``.grad`` of the working parameters (FSDP2's
 ``MixedPrecisionPolicy`` is their form of this).
 """
@@ -31,15 +37,18 @@ from torch import Tensor, nn
 class MasterWeights:
     """fp32 masters, fp32 gradient sums and the update for ``model``'s low-precision parameters.
 
-    ``MasterWeights(model, make_optimizer, dtype=torch.bfloat16)`` copies every parameter that
-    requires grad to an fp32 master, then turns the parameter itself into ``dtype`` in place (so
-    build the model in fp32: the masters start exact). ``make_optimizer(masters)`` gets the list
-    of masters in ``model.parameters()`` order and returns a ``torch.optim.Optimizer`` over them
-    (its parameter groups are the place for weight decay rules and learning rates).
+    ``MasterWeights(model, make_optimizer, dtype=torch.bfloat16)`` takes every parameter that
+    requires grad (build the model in fp32, so the masters start exact) and calls
+    ``make_optimizer(params)`` on them: the optimizer it returns, with its parameter groups and
+    their hyper-parameters (weight decay rules, learning rates), then has each group's
+    parameters replaced by one flat fp32 master, before its first step. The model's parameters become ``dtype`` views into
+    flat working buffers.
 
     Per step: any number of ``backward()`` calls (micro-batches; the gradients add up in fp32),
     then :meth:`step` (updates the masters, copies them into the model) and :meth:`zero_grad`.
-    Clip with ``torch.nn.utils.clip_grad_norm_(masters.masters, ...)`` before :meth:`step`.
+    :attr:`masters` (the flat fp32 buffers) carry the step's gradients in ``.grad``: clip with
+    ``torch.nn.utils.clip_grad_norm_(holder.masters, ...)`` before :meth:`step`. A parameter that
+    got no gradient in a step is updated with a zero gradient (torch's optimizers skip it).
     """
 
     def __init__(
@@ -48,24 +57,59 @@ class MasterWeights:
         make_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer],
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        self.working = [p for p in model.parameters() if p.requires_grad]
-        if not self.working:
+        working = [p for p in model.parameters() if p.requires_grad]
+        if not working:
             raise ValueError("the model has no parameter that requires grad")
-        for p in self.working:
+        for p in working:
             if p.dtype != torch.float32:
                 raise ValueError(
                     f"a parameter is {p.dtype}: build the model in float32 so that its "
                     "masters start exact"
                 )
-        self.masters = [p.detach().clone().requires_grad_() for p in self.working]
-        with torch.no_grad():
-            for p in self.working:
-                p.data = p.data.to(dtype)
-        self.optimizer = make_optimizer(self.masters)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(_grad_mover(m))
-            for p, m in zip(self.working, self.masters, strict=True)
-        ]
+        self.masters: list[Tensor] = []
+        self._working_flat: list[Tensor] = []
+        self._grads: list[Tensor] = []  # per working parameter, its slice of the fp32 sum
+        self._fresh: set[int] = set()  # the parameters whose slice holds this step's sum
+        self._hooks = []
+        optimizer = make_optimizer(working)
+        for group in optimizer.param_groups:
+            params = group["params"]
+            master = torch.cat([p.detach().reshape(-1) for p in params]).requires_grad_()
+            master.grad = torch.zeros_like(master)
+            flat = master.detach().to(dtype)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.data = flat[offset : offset + n].view_as(p)
+                self._grads.append(master.grad[offset : offset + n].view_as(p))
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(self._adder(len(self._hooks)))
+                )
+                offset += n
+            self.masters.append(master)
+            self._working_flat.append(flat)
+            group["params"] = [master]  # before any step: the optimizer holds no state yet
+        if len(self._hooks) != len(working):
+            raise ValueError(
+                f"make_optimizer left {len(working) - len(self._hooks)} of the model's "
+                f"{len(working)} trainable parameters out of its groups"
+            )
+        self.optimizer = optimizer
+
+    def _adder(self, i: int) -> Callable[[Tensor], None]:
+        """The hook that adds parameter ``i``'s fresh gradient into its fp32 slice (the step's
+        first one overwrites what the last step left)."""
+        grad, fresh = self._grads[i], self._fresh
+
+        def add(p: Tensor) -> None:
+            if i in fresh:
+                grad.add_(p.grad)
+            else:
+                grad.copy_(p.grad)
+                fresh.add(i)
+            p.grad = None
+
+        return add
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -75,28 +119,18 @@ class MasterWeights:
     @torch.no_grad()
     def step(self) -> None:
         """Update the masters from their summed gradients and round them into the model."""
+        for i, grad in enumerate(self._grads):
+            if i not in self._fresh:
+                grad.zero_()
         self.optimizer.step()
-        torch._foreach_copy_(self.working, self.masters)
+        torch._foreach_copy_(self._working_flat, self.masters)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the summed gradients (the next micro-batch starts a new sum)."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self) -> None:
+        """Start a new gradient sum (the next micro-batch's gradients overwrite the buffers)."""
+        self._fresh.clear()
 
     def close(self) -> None:
         """Remove the gradient hooks (the model then trains its ``dtype`` weights directly)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _grad_mover(master: Tensor) -> Callable[[Tensor], None]:
-    """The hook that adds a working parameter's fresh gradient to ``master.grad`` in fp32."""
-
-    def move(p: Tensor) -> None:
-        if master.grad is None:
-            master.grad = p.grad.to(torch.float32)
-        else:
-            master.grad.add_(p.grad)
-        p.grad = None
-
-    return move

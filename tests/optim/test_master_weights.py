@@ -18,6 +18,16 @@ def adamw(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+def adamw_decay_on_matrices(params) -> torch.optim.AdamW:
+    """Two groups with their own hyper-parameters, as training scripts build them."""
+    params = list(params)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": 3e-3},
+    ]
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+
+
 def micro_batches(step: int, n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + step)
     return [(torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)) for _ in range(n)]
@@ -28,11 +38,13 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x.to(dtype)).float() - y).pow(2).mean()
 
 
-def test_fp32_working_weights_train_exactly_like_adamw():
+@pytest.mark.parametrize("make", [adamw, adamw_decay_on_matrices])
+def test_fp32_working_weights_train_exactly_like_adamw(make):
     reference = small_model()
     model = copy.deepcopy(reference)
-    ref_opt = adamw(reference.parameters())
-    holder = MasterWeights(model, adamw, dtype=torch.float32)
+    ref_opt = make(reference.parameters())
+    holder = MasterWeights(model, make, dtype=torch.float32)
+    assert len(holder.masters) == len(ref_opt.param_groups)
     for step in range(4):
         for x, y in micro_batches(step):
             loss_of(reference, x, y).backward()
@@ -70,8 +82,8 @@ def test_bf16_masters_get_the_fp32_sum_of_the_bf16_gradients():
         with torch.no_grad():
             for b, m in zip(bare.parameters(), masters_ref, strict=True):
                 b.copy_(m)
-    for mine, ref in zip(holder.masters, masters_ref, strict=True):
-        torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+    flat_ref = torch.cat([m.reshape(-1) for m in masters_ref])
+    torch.testing.assert_close(holder.masters[0].detach(), flat_ref, rtol=0, atol=0)
     for p, ref in zip(model.parameters(), masters_ref, strict=True):
         assert p.dtype == torch.bfloat16
         assert torch.equal(p, ref.to(torch.bfloat16))
@@ -92,6 +104,8 @@ def test_clipping_the_masters_matches_clipping_fp32_parameters():
 def test_refuses_low_precision_models_and_empty_ones():
     with pytest.raises(ValueError, match="build the model in float32"):
         MasterWeights(small_model().to(torch.bfloat16), adamw)
+    with pytest.raises(ValueError, match="left 2 of the model's 6 trainable parameters out"):
+        MasterWeights(small_model(), lambda params: adamw(params[:4]))
     frozen = small_model().requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter that requires grad"):
         MasterWeights(frozen, adamw)
@@ -104,4 +118,28 @@ def test_close_removes_the_hooks():
     x, y = micro_batches(0, 1)[0]
     loss_of(model, x, y).backward()
     assert all(p.grad is not None for p in model.parameters())
-    assert all(m.grad is None for m in holder.masters)
+    assert all(not m.grad.any() for m in holder.masters)
+
+
+def test_a_parameter_without_gradient_gets_a_zero_one_not_the_last_steps():
+    """Step 1 trains every layer; step 2 only the last one (the others' outputs detached)."""
+    reference = small_model()
+    model = copy.deepcopy(reference)
+    ref_opt = adamw(reference.parameters())
+    holder = MasterWeights(model, adamw, dtype=torch.float32)
+    x, y = micro_batches(0, 1)[0]
+    for net in (reference, model):
+        loss_of(net, x, y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    holder.step()
+    holder.zero_grad()
+    for net in (reference, model):
+        (net[3](net[:3](x).detach()) - y).pow(2).mean().backward()
+    for p in reference.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # what MasterWeights gives it
+    ref_opt.step()
+    holder.step()
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
