@@ -20,7 +20,7 @@ per parameter. This is exact for optimizers that act element by element (SGD, Ad
 not for ones with per-tensor statistics (LAMB, Adafactor).
 
 A post-accumulate-grad hook adds each working gradient into its slice of the fp32 sum as soon
-as autograd has it and frees it, so the device never holds more than one parameter's bf16
+as autograd has it (one vectorized kernel, :mod:`effdl.ops.fp32_accumulate`) and frees it, so the device never holds more than one parameter's bf16
 gradient at a time. Not for DDP or FSDP, which own ``.grad`` of the working parameters (FSDP2's
 ``MixedPrecisionPolicy`` is their form of this).
 """
@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from effdl.ops.fp32_accumulate import accumulate_fp32_
 
 
 class MasterWeights:
@@ -102,11 +104,8 @@ class MasterWeights:
         grad, fresh = self._grads[i], self._fresh
 
         def add(p: Tensor) -> None:
-            if i in fresh:
-                grad.add_(p.grad)
-            else:
-                grad.copy_(p.grad)
-                fresh.add(i)
+            accumulate_fp32_(grad, p.grad, overwrite=i not in fresh)
+            fresh.add(i)
             p.grad = None
 
         return add
