@@ -407,10 +407,10 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
     )
     if cfg.precision == "master":
         opt = MasterWeights(model, make_opt, torch.bfloat16)
-        grad_params = opt.masters  # the tensors whose .grad holds the step's gradients
+        clip = opt.clip_grad_norm_  # applied inside the update's pass
     else:
         opt = make_opt(model.parameters())
-        grad_params = [p for p in model.parameters() if p.requires_grad]
+        clip = partial(torch.nn.utils.clip_grad_norm_, list(model.parameters()))
     autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"
     compute = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast)
     loss_fn = torch.compile(token_loss_sum) if cfg.compile else token_loss_sum
@@ -496,9 +496,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
                     # DDP and FSDP average gradients over ranks: undo it to get the global sum
                     (part * (d.world / n_labels)).backward()
                 loss_sum += part.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                grad_params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-            )
+            grad_norm = clip(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
             with record_function("optimizer_step"):

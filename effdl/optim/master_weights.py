@@ -3,7 +3,9 @@
 The mixed-precision recipe of Micikevicius et al. (2018) without autocast: the model's
 parameters *are* bf16, so the forward and backward read them as they are; the optimizer owns an
 fp32 master copy of each, sums each micro-batch's gradient into an fp32 buffer, updates the
-masters, and rounds them into the working weights once per step.
+masters, and rounds them into the working weights once per step. With ``torch.optim.AdamW``
+the clipping scale, the update and that rounding are one pass over memory
+(:mod:`effdl.ops.fused_adamw`); other optimizers run their own ``step`` and a copy.
 
 Why not autocast over fp32 parameters: autocast casts every weight to bf16 in every forward
 (6 B of traffic per parameter per micro-batch), autograd casts each bf16 weight gradient back
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from effdl.ops.fp32_accumulate import accumulate_fp32_
+from effdl.ops.fused_adamw import adamw_step_
 
 
 class MasterWeights:
@@ -48,8 +51,8 @@ class MasterWeights:
 
     Per step: any number of ``backward()`` calls (micro-batches; the gradients add up in fp32),
     then :meth:`step` (updates the masters, copies them into the model) and :meth:`zero_grad`.
-    :attr:`masters` (the flat fp32 buffers) carry the step's gradients in ``.grad``: clip with
-    ``torch.nn.utils.clip_grad_norm_(holder.masters, ...)`` before :meth:`step`. A parameter that
+    :attr:`masters` (the flat fp32 buffers) carry the step's gradients in ``.grad``; clip with
+    :meth:`clip_grad_norm_` before :meth:`step`. A parameter that
     got no gradient in a step is updated with a zero gradient (torch's optimizers skip it).
     """
 
@@ -97,6 +100,14 @@ class MasterWeights:
                 f"{len(working)} trainable parameters out of its groups"
             )
         self.optimizer = optimizer
+        # torch.optim.AdamW in its plain form: its update runs as one pass with the clipping
+        # scale and the copy into the model (effdl.ops.fused_adamw); any other optimizer steps
+        # itself.
+        self._adamw = type(optimizer) is torch.optim.AdamW and not any(
+            g["amsgrad"] or g["maximize"] or g["capturable"] or g["differentiable"]
+            for g in optimizer.param_groups
+        )
+        self._grad_scale: Tensor | None = None
 
     def _adder(self, i: int) -> Callable[[Tensor], None]:
         """The hook that adds parameter ``i``'s fresh gradient into its fp32 slice (the step's
@@ -115,14 +126,53 @@ class MasterWeights:
         """The optimizer's parameter groups (set ``lr`` here for a schedule)."""
         return self.optimizer.param_groups
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """Update the masters from their summed gradients and round them into the model."""
+    def _complete_sums(self) -> None:
+        """Zero the slices of the parameters that got no gradient this step."""
         for i, grad in enumerate(self._grads):
             if i not in self._fresh:
                 grad.zero_()
-        self.optimizer.step()
-        torch._foreach_copy_(self._working_flat, self.masters)
+                self._fresh.add(i)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the summed gradients: returns their total L2
+        norm; the scaling by ``min(1, max_norm / (norm + 1e-6))`` is applied by the next
+        :meth:`step` (inside the update's own pass for AdamW)."""
+        self._complete_sums()
+        norms = torch.stack([torch.linalg.vector_norm(m.grad) for m in self.masters])
+        norm = torch.linalg.vector_norm(norms)
+        self._grad_scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update the masters from their summed gradients and round them into the model."""
+        self._complete_sums()
+        if self._adamw:
+            self._adamw_step()
+        else:
+            if self._grad_scale is not None:
+                torch._foreach_mul_([m.grad for m in self.masters], self._grad_scale)
+            self.optimizer.step()
+            torch._foreach_copy_(self._working_flat, self.masters)
+        self._grad_scale = None
+
+    def _adamw_step(self) -> None:
+        """torch.optim.AdamW's update, its state kept in the optimizer's own layout."""
+        groups = zip(self.optimizer.param_groups, self.masters, self._working_flat, strict=True)
+        for group, master, working in groups:
+            state = self.optimizer.state[master]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(master)
+                state["exp_avg_sq"] = torch.zeros_like(master)
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            adamw_step_(
+                master.detach(), master.grad, state["exp_avg"], state["exp_avg_sq"], working,
+                step=int(state["step"]), lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=self._grad_scale,
+            )  # fmt: skip
 
     def zero_grad(self) -> None:
         """Start a new gradient sum (the next micro-batch's gradients overwrite the buffers)."""

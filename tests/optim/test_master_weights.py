@@ -1,4 +1,5 @@
-"""MasterWeights against torch.optim.AdamW on fp32 parameters fed the same gradients."""
+"""MasterWeights against torch.optim.AdamW (and SGD) on fp32 parameters fed the same gradients;
+its GPU pass against torch.optim.AdamW(fused=True) on the GPU."""
 
 import copy
 
@@ -28,6 +29,11 @@ def adamw_decay_on_matrices(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
 
 
+def sgd_momentum(params) -> torch.optim.SGD:
+    """An optimizer without the fused AdamW pass: MasterWeights runs its own step."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
 def micro_batches(step: int, n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + step)
     return [(torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)) for _ in range(n)]
@@ -38,8 +44,8 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x.to(dtype)).float() - y).pow(2).mean()
 
 
-@pytest.mark.parametrize("make", [adamw, adamw_decay_on_matrices])
-def test_fp32_working_weights_train_exactly_like_adamw(make):
+@pytest.mark.parametrize("make", [adamw, adamw_decay_on_matrices, sgd_momentum])
+def test_fp32_working_weights_train_exactly_like_the_optimizer(make):
     reference = small_model()
     model = copy.deepcopy(reference)
     ref_opt = make(reference.parameters())
@@ -89,16 +95,26 @@ def test_bf16_masters_get_the_fp32_sum_of_the_bf16_gradients():
         assert torch.equal(p, ref.to(torch.bfloat16))
 
 
-def test_clipping_the_masters_matches_clipping_fp32_parameters():
+@pytest.mark.parametrize("make", [adamw, sgd_momentum])
+def test_clipping_inside_the_step_matches_clipping_fp32_parameters(make):
+    """clip_grad_norm_ returns torch's norm, and the step then applies torch's scaling (inside
+    the AdamW pass; by a multiply before any other optimizer's step)."""
     reference = small_model()
     model = copy.deepcopy(reference)
-    holder = MasterWeights(model, adamw, dtype=torch.float32)
-    x, y = micro_batches(0, 1)[0]
-    loss_of(reference, x, y).backward()
-    loss_of(model, x, y).backward()
-    expected = nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
-    got = nn.utils.clip_grad_norm_(holder.masters, 0.1)
-    torch.testing.assert_close(got, expected)
+    ref_opt = make(reference.parameters())
+    holder = MasterWeights(model, make, dtype=torch.float32)
+    for step in range(3):
+        for x, y in micro_batches(step):
+            loss_of(reference, x, y).backward()
+            loss_of(model, x, y).backward()
+        expected = nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        torch.testing.assert_close(holder.clip_grad_norm_(0.1), expected)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        holder.step()
+        holder.zero_grad()
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 
 def test_refuses_low_precision_models_and_empty_ones():
@@ -143,3 +159,29 @@ def test_a_parameter_without_gradient_gets_a_zero_one_not_the_last_steps():
     holder.step()
     for p, r in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_cuda_pass_matches_torch_fused_adamw():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
+    reference = small_model().cuda()
+    model = copy.deepcopy(reference)
+
+    def fused(params):
+        return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+    ref_opt = fused(reference.parameters())
+    holder = MasterWeights(model, fused, dtype=torch.float32)
+    for step in range(5):
+        for x, y in micro_batches(step):
+            loss_of(reference, x.cuda(), y.cuda()).backward()
+            loss_of(model, x.cuda(), y.cuda()).backward()
+        nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        holder.clip_grad_norm_(0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        holder.step()
+        holder.zero_grad()
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
