@@ -14,14 +14,14 @@ What it measures, and its limits:
   after it, so it holds every kernel the module launched and, where the GPU waits for the host
   (a host-bound model, a data loader), that wait as well. Spans are inclusive: a parent's span
   holds its children's.
-- A backward span starts when the gradient of the module's output is complete (a pre hook on
-  the autograd node that made each output tensor; a parent returning its child's output shares
-  the child's stamp) and ends when the gradients of all its positional tensor inputs that require
-  grad are (each such input reaches the module as a ``view_as`` of itself, whose node's pre hook
-  fires once this module's use of it has its gradient; the values are the same). Where no such
-  input gets its gradient (the first layer, the model itself under input images, an input used
-  only without grad), the span is closed at the end of the backward pass instead, an upper bound
-  that holds the module's weight gradients.
+- A backward span starts when the gradient of the module's output is complete (a hook on each
+  output tensor, run before the autograd node that made it; a parent returning its child's
+  output shares the child's stamp) and ends when the gradients of all its positional tensor
+  inputs that require grad are (each such input reaches the module as an alias of itself,
+  ``a[...]``, whose hook runs once this module's use of it has its gradient; the values are the
+  same). Where no such input gets its gradient (the first layer, the model itself under input
+  images, an input used only without grad), the span is closed at the end of the backward pass
+  instead, an upper bound that holds the module's weight gradients.
 - Modules run under ``no_grad``/``inference_mode``, or whose outputs are not tensors or plain
   tuples of tensors, get no backward span; only positional inputs count.
 - In-place changes of a module's output after it returns (``out += identity``, an in-place
@@ -33,9 +33,11 @@ What it measures, and its limits:
   in backward). Spans nest as torch's engine orders a single device's backward (later modules
   first); nothing here enforces it.
 - The hooks are registered only for steps the schedule records or warms up with, and cost host
-  time while they are. Per module call: two forward hooks, one extra autograd node (the input
-  view) per input with grad, two autograd node hooks and about three stamps: tens of
-  microseconds of host time per call, as much as a small module's own forward and backward
+  time while they are. Per module call: two forward hooks, one extra autograd node (the input's
+  alias) per input with grad, two tensor hooks (set in the tensors' hook dicts, without the
+  handles ``register_hook`` builds) and about four stamps: some 15 microseconds of host time
+  per call with the host clock on a fast CPU, several times that on a GPU machine's host with
+  CUDA events, as much as a small module's own forward and backward
   (``task3_vit_profiling/probes/layer_profiler_host_cost.py`` measures it). Negligible while
   the GPU is the bottleneck; where the host is, hook the blocks only (``max_depth``), or
   spread the modules over steps (``sample_every``). Stamps are kept until the profile is
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -65,6 +67,7 @@ STEP = "step"
 _TRACKS = {STEP: 0, FORWARD: 1, BACKWARD: 2}
 # A backward call in flight: [module index, start stamp or None, inputs left, inputs with grad].
 _MODULE, _START, _LEFT, _INPUTS = range(4)
+_HOOK_KEY = "effdl.layer_profiler"  # never one of torch's integer hook ids
 
 
 class Phase(Enum):
@@ -192,31 +195,38 @@ def _label(path: str, module: nn.Module) -> str:
     return cls if next(module.children(), None) is None else f"{path}: {cls}"
 
 
-def _grad_outputs(output: object) -> tuple[torch.Tensor, ...]:
-    """The tensors of a module's output (a tensor or a plain tuple) that autograd made."""
+class _GradHook(partial):
+    """``hook(grad)``: a partial that ``torch.save`` does not warn of on a tensor it saves."""
+
+    __slots__ = ()
+    __torch_unserializable__ = True
+
+
+def _on_grad(t: torch.Tensor, node: Any, hook: _GradHook) -> None:
+    """Call ``hook`` when the gradient of ``t`` is complete (before ``t``'s autograd node runs).
+
+    What ``Tensor.register_hook`` does, less the removable handle it builds (these hooks go with
+    the graph): a hook dict on the tensor, handed to its node ``t.grad_fn``; under half the host
+    time of ``Node.register_prehook``, which builds a handle too. A tensor with hooks already,
+    or a subclass that may handle hooks itself, gets a node pre hook (the same moment; its
+    argument is the node's gradients).
+    """
+    if t._backward_hooks is None and type(t) is torch.Tensor:
+        hooks = t._backward_hooks = OrderedDict()  # register_hook adds to it, by weakref
+        hooks[_HOOK_KEY] = hook
+        node._register_hook_dict(t)
+    else:
+        node.register_prehook(hook)
+
+
+def _grad_outputs(output: object) -> list[tuple[torch.Tensor, Any]]:
+    """The tensors of a module's output (a tensor or a plain tuple) that autograd made, each
+    with its node."""
     if isinstance(output, torch.Tensor):
-        return (output,) if output.grad_fn is not None else ()
-    if type(output) is tuple:
-        return tuple(t for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None)
-    return ()
-
-
-def _returns_an_input(outputs: tuple[torch.Tensor, ...], views: list) -> bool:
-    for t in outputs:
-        for v, _ in views:
-            if t is v:
-                return True
-    return False
-
-
-def _view_inputs(output: object, views: list) -> object:
-    """The output with each of the module's own inputs in it replaced by a view (an identity
-    module's output needs a node of its own, after its input's)."""
-
-    def fresh(t: object) -> object:
-        return t.view_as(t) if any(t is v for v in views) else t
-
-    return fresh(output) if isinstance(output, torch.Tensor) else tuple(map(fresh, output))
+        output = (output,)
+    elif type(output) is not tuple:
+        return []
+    return [(t, t.grad_fn) for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
 
 class Profile:
@@ -378,6 +388,7 @@ class Profile:
         mark = self._clock.mark
         bwd_end = self._bwd_end
         is_grad_enabled = torch.is_grad_enabled
+        tensor = torch.Tensor
 
         def pre_hook(_module: nn.Module, args: tuple) -> tuple | None:
             self._depth += 1
@@ -385,22 +396,26 @@ class Profile:
                 push((mark(), None, None))
                 return None
             call = [i, None, 0, 0]
-            new_args = views = None
+            if len(args) == 1:  # most calls: the general case below, less its copies of args
+                a = args[0]
+                if not (isinstance(a, tensor) and a.requires_grad):
+                    push((mark(), call, None))
+                    return None
+                view = a[...]  # a node of this call's own: its gradient is this use of ``a``
+                _on_grad(view, view.grad_fn, _GradHook(bwd_end, call))
+                call[_LEFT] = call[_INPUTS] = 1
+                push((mark(), call, [(view, view._version)]))
+                return (view,)
+            new_args = list(args)
+            views = []
             for k, a in enumerate(args):
-                if isinstance(a, torch.Tensor) and a.requires_grad:
-                    if views is None:
-                        new_args, views = list(args), []
-                    # A node of this call's own: its gradient is this module's use of ``a``.
-                    view = a.view_as(a)
-                    view.grad_fn.register_prehook(partial(bwd_end, call))
-                    new_args[k] = view
+                if isinstance(a, tensor) and a.requires_grad:
+                    view = new_args[k] = a[...]
+                    _on_grad(view, view.grad_fn, _GradHook(bwd_end, call))
                     views.append((view, view._version))
-            if views is None:
-                push((mark(), call, None))
-                return None
             call[_LEFT] = call[_INPUTS] = len(views)
-            push((mark(), call, views))
-            return tuple(new_args)
+            push((mark(), call, views or None))
+            return tuple(new_args) if views else None
 
         return pre_hook
 
@@ -411,6 +426,7 @@ class Profile:
         starts = self._starts
         bwd_start = self._bwd_start
         bwd_end_after = self._bwd_end_after
+        tensor = torch.Tensor
 
         def post_hook(_module: nn.Module, _args: tuple, output: object) -> object:
             end = mark()
@@ -419,22 +435,27 @@ class Profile:
             start, call, views = calls.pop()
             pending((i, FORWARD, self._step, start, end))
             if call is not None:
-                outputs = _grad_outputs(output)
                 if views:
                     for v, version in views:
                         if v._version != version:
                             # Changed in place: the view's node left the graph; the module's
                             # backward is its input's new node (CopySlices), done when it has run.
                             v._base.grad_fn.register_hook(partial(bwd_end_after, call))
-                    if _returns_an_input(outputs, views):
-                        output = _view_inputs(output, [v for v, _ in views])
-                        outputs = _grad_outputs(output)
-                for t in outputs:
-                    node = t.grad_fn
+                        # An identity's output needs a node of its own, after its input's.
+                        if v is output:
+                            output = output[...]
+                        elif type(output) is tuple and any(t is v for t in output):
+                            output = tuple(t[...] if t is v else t for t in output)
+                if type(output) is tensor:  # most calls: the loop below, less its tuples
+                    node = output.grad_fn
+                    outputs = ((output, node),) if node is not None else ()
+                else:
+                    outputs = _grad_outputs(output)
+                for t, node in outputs:
                     starting = starts.get(node)
                     if starting is None:
                         starts[node] = starting = [call]
-                        node.register_prehook(partial(bwd_start, starting))
+                        _on_grad(t, node, _GradHook(bwd_start, starting))
                     else:
                         starting.append(call)  # a child's output: start with the child
             self._depth -= 1
@@ -444,7 +465,7 @@ class Profile:
 
         return post_hook
 
-    def _bwd_start(self, starting: list[list], _grads: tuple) -> None:
+    def _bwd_start(self, starting: list[list], _grad: object) -> None:
         """An output's gradient is complete: the backward of the modules that returned it starts."""
         if self._phase is Phase.NONE:
             return
@@ -459,7 +480,7 @@ class Profile:
             self._bwd_callback = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_pass)
 
-    def _bwd_end(self, call: list, _grads: tuple) -> None:
+    def _bwd_end(self, call: list, _grad: object) -> None:
         """The gradient of one of the call's inputs is complete; the last one ends the span."""
         if self._phase is Phase.NONE or call[_START] is None:
             return

@@ -9,6 +9,7 @@ import itertools
 import json
 import statistics
 import time
+import warnings
 import weakref
 from collections import Counter
 
@@ -383,6 +384,39 @@ def test_a_second_backward_through_the_graph_gets_its_own_spans(net: Net, x: tor
     rows = {r["path"]: r for r in prof.records()}
     assert (rows["head"]["calls"], rows["head"]["bwd_calls"]) == (1, 2)
     assert (rows["shared"]["calls"], rows["shared"]["bwd_calls"]) == (2, 4)
+
+
+class HooksItsOutput(nn.Module):
+    """Doubles its input and hooks the result, as user code may."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * 2
+        out.register_hook(lambda _grad: self.seen.append("own"))
+        return out
+
+
+def test_outputs_take_user_hooks_and_save_without_hook_warnings(tmp_path) -> None:
+    """The profile's hooks sit in the tensors' hook dicts: hooks a user registers on a module's
+    output, before or after them, run (and are removed), and ``torch.save`` of an output
+    raises no warning about them."""
+    torch.manual_seed(0)
+    seen: list[str] = []
+    model = nn.Sequential(nn.Linear(4, 4), HooksItsOutput(seen), nn.Linear(4, 4))
+    with Profile(model) as prof, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(torch.randn(2, 4))
+        torch.save(out, tmp_path / "out.pt")
+        out.register_hook(lambda _grad: seen.append("user"))
+        out.register_hook(lambda _grad: seen.append("removed")).remove()
+        out.sum().backward()
+        prof.step()
+    assert seen == ["user", "own"]
+    rows = prof.records()
+    assert all(r["calls"] == r["bwd_calls"] == 1 for r in rows), rows
 
 
 # -- measured times --------------------------------------------------------------------------
