@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from effdl.models.llama import PRESETS, Transformer, build_on_meta
 from effdl.profiling.flops import (
@@ -50,6 +50,10 @@ def test_formula_equals_flop_counter_on_the_math_attention(name):
     assert counted == llama_train_flops_per_token(args, 32, causal=False)
 
 
+@pytest.mark.skipif(
+    not any(str(op).endswith("_flash_attention_for_cpu_backward") for op in flop_registry),
+    reason="this torch's FlopCounterMode has no formula for the CPU flash attention kernels",
+)
 def test_flash_backward_adds_the_score_recomputation():
     # Flash attention recomputes Q K^T in the backward (2·S·d per token and layer): FlopCounterMode
     # counts that kernel work, the model-FLOP formula does not.
