@@ -44,24 +44,38 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x.to(dtype)).float() - y).pow(2).mean()
 
 
-@pytest.mark.parametrize("make", [adamw, adamw_decay_on_matrices, sgd_momentum])
-def test_fp32_working_weights_train_exactly_like_the_optimizer(make):
-    reference = small_model()
+def train_side_by_side(make, steps: int, clip: float | None = None, device: str = "cpu"):
+    """A model trained through MasterWeights (fp32 working weights) beside an fp32 copy trained
+    by ``make``'s optimizer on the same micro-batches, both clipped to ``clip`` (the norms
+    checked equal); returns (model, reference)."""
+    reference = small_model().to(device)
     model = copy.deepcopy(reference)
     ref_opt = make(reference.parameters())
     holder = MasterWeights(model, make, dtype=torch.float32)
     assert len(holder.masters) == len(ref_opt.param_groups)
-    for step in range(4):
+    for step in range(steps):
         for x, y in micro_batches(step):
-            loss_of(reference, x, y).backward()
-            loss_of(model, x, y).backward()
+            loss_of(reference, x.to(device), y.to(device)).backward()
+            loss_of(model, x.to(device), y.to(device)).backward()
         assert all(p.grad is None for p in model.parameters())  # moved to the masters
+        if clip is not None:
+            expected = nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            torch.testing.assert_close(holder.clip_grad_norm_(clip), expected)
         ref_opt.step()
         ref_opt.zero_grad()
         holder.step()
         holder.zero_grad()
+    return model, reference
+
+
+def assert_same_parameters(model, reference, rtol=1e-6, atol=1e-7) -> None:
     for p, r in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, r, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("make", [adamw, adamw_decay_on_matrices, sgd_momentum])
+def test_fp32_working_weights_train_exactly_like_the_optimizer(make):
+    assert_same_parameters(*train_side_by_side(make, steps=4))
 
 
 def test_bf16_masters_get_the_fp32_sum_of_the_bf16_gradients():
@@ -99,22 +113,7 @@ def test_bf16_masters_get_the_fp32_sum_of_the_bf16_gradients():
 def test_clipping_inside_the_step_matches_clipping_fp32_parameters(make):
     """clip_grad_norm_ returns torch's norm, and the step then applies torch's scaling (inside
     the AdamW pass; by a multiply before any other optimizer's step)."""
-    reference = small_model()
-    model = copy.deepcopy(reference)
-    ref_opt = make(reference.parameters())
-    holder = MasterWeights(model, make, dtype=torch.float32)
-    for step in range(3):
-        for x, y in micro_batches(step):
-            loss_of(reference, x, y).backward()
-            loss_of(model, x, y).backward()
-        expected = nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
-        torch.testing.assert_close(holder.clip_grad_norm_(0.1), expected)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        holder.step()
-        holder.zero_grad()
-    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    assert_same_parameters(*train_side_by_side(make, steps=3, clip=0.1))
 
 
 def test_refuses_low_precision_models_and_empty_ones():
@@ -157,31 +156,16 @@ def test_a_parameter_without_gradient_gets_a_zero_one_not_the_last_steps():
             p.grad = torch.zeros_like(p)  # what MasterWeights gives it
     ref_opt.step()
     holder.step()
-    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    assert_same_parameters(model, reference)
 
 
 @pytest.mark.gpu
 def test_cuda_pass_matches_torch_fused_adamw():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
-    reference = small_model().cuda()
-    model = copy.deepcopy(reference)
 
     def fused(params):
         return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
-    ref_opt = fused(reference.parameters())
-    holder = MasterWeights(model, fused, dtype=torch.float32)
-    for step in range(5):
-        for x, y in micro_batches(step):
-            loss_of(reference, x.cuda(), y.cuda()).backward()
-            loss_of(model, x.cuda(), y.cuda()).backward()
-        nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
-        holder.clip_grad_norm_(0.1)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        holder.step()
-        holder.zero_grad()
-    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    model, reference = train_side_by_side(fused, steps=5, clip=0.1, device="cuda")
+    assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)
