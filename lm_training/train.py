@@ -51,8 +51,7 @@ from effdl.data.labels import IGNORE_INDEX
 from effdl.data.parquet import TEXT_COLUMN, as_encoder
 from effdl.data.stdlib_text import DEFAULT_CACHE, token_counts, unigram_entropy
 from effdl.models.llama import PRESETS, TransformerModelArgs
-from effdl.optim import warmup_cosine_lr
-from effdl.optim.master_weights import MasterWeights
+from effdl.optim import MasterWeights, warmup_cosine_lr
 from effdl.profiling.flops import llama_train_flops_per_token, peak_bf16_tflops
 from effdl.profiling.kernel_split import kernel_split, read_trace_events
 from effdl.profiling.timing import RegionTimer, take_peak_memory
