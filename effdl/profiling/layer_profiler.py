@@ -396,20 +396,11 @@ class Profile:
                 push((mark(), None, None))
                 return None
             call = [i, None, 0, 0]
-            if len(args) == 1:  # most calls: the general case below, less its copies of args
-                a = args[0]
-                if not (isinstance(a, tensor) and a.requires_grad):
-                    push((mark(), call, None))
-                    return None
-                view = a[...]  # a node of this call's own: its gradient is this use of ``a``
-                _on_grad(view, view.grad_fn, _GradHook(bwd_end, call))
-                call[_LEFT] = call[_INPUTS] = 1
-                push((mark(), call, [(view, view._version)]))
-                return (view,)
             new_args = list(args)
             views = []
             for k, a in enumerate(args):
                 if isinstance(a, tensor) and a.requires_grad:
+                    # A node of this call's own: its gradient is this module's use of ``a``.
                     view = new_args[k] = a[...]
                     _on_grad(view, view.grad_fn, _GradHook(bwd_end, call))
                     views.append((view, view._version))
