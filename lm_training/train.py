@@ -203,7 +203,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("min_lr", type=float)
     flags.add("weight_decay", type=float)
     flags.add("grad_clip", type=float, help="max gradient norm; 0 = off")
-    flags.add("fused_optimizer", action="store_true", help="AdamW(fused=True)")
+    flags.add(
+        "fused_optimizer",
+        action="store_true",
+        help="AdamW(fused=True); with --precision master the update is always one pass "
+        "(effdl.ops.fused_adamw)",
+    )
     flags.add("compile", action="store_true", help="torch.compile each block and the loss")
     flags.add(
         "attention", choices=lm_setup.ATTENTION_BACKENDS, help="SDPA backend; auto = torch's choice"

@@ -46,14 +46,14 @@ class MasterWeights:
     requires grad (build the model in fp32, so the masters start exact) and calls
     ``make_optimizer(params)`` on them: the optimizer it returns, with its parameter groups and
     their hyper-parameters (weight decay rules, learning rates), then has each group's
-    parameters replaced by one flat fp32 master, before its first step. The model's parameters become ``dtype`` views into
-    flat working buffers.
+    parameters replaced by one flat fp32 master, before its first step. The model's parameters
+    become ``dtype`` views into flat working buffers.
 
     Per step: any number of ``backward()`` calls (micro-batches; the gradients add up in fp32),
     then :meth:`step` (updates the masters, copies them into the model) and :meth:`zero_grad`.
     :attr:`masters` (the flat fp32 buffers) carry the step's gradients in ``.grad``; clip with
-    :meth:`clip_grad_norm_` before :meth:`step`. A parameter that
-    got no gradient in a step is updated with a zero gradient (torch's optimizers skip it).
+    :meth:`clip_grad_norm_` before :meth:`step`. A parameter that got no gradient in a step is
+    updated with a zero gradient (torch's optimizers skip it).
     """
 
     def __init__(
