@@ -26,11 +26,11 @@ the same iterations: one execution), ``same_iterations_sampled`` (the same, with
 one in ``--compare-sample-every`` modules per step: ``config.sample_every``) or
 ``separate_passes`` (torch.profiler's pass, then
 Profile's), and per comparison a ``layer_agreement`` record (share of the modules over 1 ms whose
-times agree within 10%, against either reference); and ``overhead`` records (median step time
-with Profile recording every step against the bare step, in interleaved rounds (at least
-``--overhead-rounds``, more until ``--overhead-seconds`` of steps), at the pipeline's
-batch and the comparison batch, hooking every module, hooking modules to ``--shallow-depth``, and
-hooking every module in one of every ``--sample-every`` steps).
+times agree within 10%, against either reference); and ``overhead`` records (step time with
+Profile recording against the bare step, in pairs of consecutive steps (see
+:func:`profile_overhead`), at the pipeline's batch and the comparison batch, hooking every
+module, hooking modules to ``--shallow-depth``, and hooking one in every ``--sample-every``
+modules per recorded step).
 
     python task3_vit_profiling/profile_model.py --quick --pipeline fixed            # CPU
     python task3_vit_profiling/profile_model.py --device cuda --pipeline as_given --out runs/vit/profile
@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import math
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
         "--overhead-rounds",
         type=int,
         default=3,
-        help="interleaved bare/profiled rounds of each overhead measurement, at least",
+        help="rounds of bare/profiled step pairs of each overhead measurement, at least",
     )
     p.add_argument(
         "--overhead-seconds",
@@ -84,7 +85,7 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
         "--overhead-steps",
         type=int,
         default=10,
-        help="timed steps per round (rounded up to whole rotations of a sampled profile)",
+        help="timed pairs of steps per round (rounded up to whole rotations of a sampled profile)",
     )
     p.add_argument(
         "--compare-batch-size",
@@ -393,41 +394,56 @@ def profile_overhead(
     trainer: vp.Trainer, x, y, args, depth: int | None, sample_every: int = 1
 ) -> dict:
     """Training-step time on one batch already on the device, bare and with Profile (hooking
-    modules to ``depth``, None: all; one in ``sample_every`` of them per step) recording every
-    step, in interleaved rounds of ``--overhead-steps`` steps each, rounded up to whole
-    rotations of the sampled modules: at least ``--overhead-rounds`` rounds, more until the
-    steps took ``--overhead-seconds`` (device time: CUDA events; host clock on the CPU). ``overhead`` is the median over rounds of each
-    profiled round's median step over the bare round's before it (a drift of the host's speed
-    between rounds cancels); ``overhead_of_medians`` pools all steps."""
+    modules to ``depth``, None: all; one in ``sample_every`` of them per recorded step), in
+    pairs of consecutive steps: one Profile per round with ``Schedule(wait=1, warmup=0,
+    active=1)``, so each recorded step follows a bare one and a drift of the host's speed
+    cancels pair by pair. A round is ``--overhead-steps`` pairs (rounded up to whole rotations
+    of the sampled modules) after one untimed pair; rounds go on until there are at least
+    ``--overhead-rounds`` and the steps took ``--overhead-seconds`` (device time: CUDA events;
+    host clock on the CPU).
+
+    Each step is timed with the ``Profile.step()`` that ends it. The bare step's call hooks the
+    next step's modules (host time ``register``, measured around the call); recording every
+    step would pay that in the recorded step, so a pair's overhead is
+    ``(recorded + register) / (bare - register) - 1``. ``overhead`` is the median over all
+    pairs, ``round_overheads`` the median of each round's, ``overhead_of_medians`` from the
+    pooled medians."""
     trainer.model.train()
-    steps = math.ceil(args.overhead_steps / sample_every) * sample_every
+    pairs = math.ceil(args.overhead_steps / sample_every) * sample_every
+    alternate = layer_profiler.Schedule(wait=1, warmup=0, active=1)
 
-    def timed(prof: layer_profiler.Profile | None) -> list[float]:
+    def timed_round() -> tuple[list[float], list[float], list[float], int]:
         timer = RegionTimer(trainer.device)
-        for _ in range(steps):
-            with timer.region():
-                trainer.train_step(x, y)
-                if prof is not None:
-                    prof.step()
-        return timer.times()
-
-    timed(None)  # warm-up: lazy initialisation, cuDNN/cuBLAS choices
-    bare, hooked, ratios = [], [], []
-    while len(ratios) < args.overhead_rounds or sum(bare) + sum(hooked) < args.overhead_seconds:
-        bare_round = timed(None)
+        register = []
         with layer_profiler.Profile(
-            trainer.model, name="overhead", max_depth=depth, sample_every=sample_every
-        ) as prof:
-            hooked_round = timed(prof)
-        ratios.append(statistics.median(hooked_round) / statistics.median(bare_round))
-        bare += bare_round
-        hooked += hooked_round
-    b, h = statistics.median(bare), statistics.median(hooked)
+            trainer.model, name="overhead", schedule=alternate, max_depth=depth,
+            sample_every=sample_every,
+        ) as prof:  # fmt: skip
+            for _ in range(2 * (pairs + 1)):
+                with timer.region():
+                    trainer.train_step(x, y)
+                    start = time.perf_counter()
+                    prof.step()  # after a bare step: hooks the next step's modules
+                    register.append(time.perf_counter() - start)
+        times = timer.times()[2:]  # less the untimed pair
+        return times[0::2], times[1::2], register[2::2], len(prof.records())
+
+    trainer.train_step(x, y)  # warm-up: lazy initialisation, cuDNN/cuBLAS choices
+    bare, recorded, registers, ratios, rounds = [], [], [], [], []
+    while len(rounds) < args.overhead_rounds or sum(bare) + sum(recorded) < args.overhead_seconds:
+        b, r, reg, modules = timed_round()
+        pair_ratios = [(ri + gi) / (bi - gi) for bi, ri, gi in zip(b, r, reg, strict=True)]
+        rounds.append(statistics.median(pair_ratios) - 1)
+        ratios += pair_ratios
+        bare += b
+        recorded += r
+        registers += reg
+    b, h = statistics.median(bare), statistics.median(recorded)
     return {"bare_step_ms_median": b * 1e3, "profiled_step_ms_median": h * 1e3,
             "overhead": statistics.median(ratios) - 1, "overhead_of_medians": h / b - 1,
-            "round_overheads": [r - 1 for r in ratios], "steps": len(bare), "rounds": len(ratios),
-            "modules_hooked": len(prof.records()),
-            "modules_per_step": math.ceil(len(prof.records()) / sample_every)}  # fmt: skip
+            "register_ms_median": statistics.median(registers) * 1e3,
+            "round_overheads": rounds, "pairs": len(bare), "rounds": len(rounds),
+            "modules_hooked": modules, "modules_per_step": math.ceil(modules / sample_every)}  # fmt: skip
 
 
 def main() -> None:

@@ -276,8 +276,9 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
     assert 0 < hooked[2, 1]["modules_hooked"] < hooked[None, 1]["modules_hooked"]
     assert hooked[None, 3]["modules_hooked"] == hooked[None, 1]["modules_hooked"]
     assert hooked[None, 3]["modules_per_step"] == -(-hooked[None, 1]["modules_hooked"] // 3)
-    for r in overheads:  # one step per round, or one rotation of the sampled modules
-        assert r["metrics"]["steps"] == r["config"]["sample_every"]
+    for r in overheads:  # one pair of steps per round, or one rotation of the sampled modules
+        assert r["metrics"]["pairs"] == r["config"]["sample_every"] * r["metrics"]["rounds"]
+        assert r["metrics"]["register_ms_median"] >= 0
         assert r["metrics"]["bare_step_ms_median"] > 0
         assert len(r["metrics"]["round_overheads"]) == r["metrics"]["rounds"]
     for name in ("fixed_ops.txt", "fixed_torch_trace.json", "fixed_layers_trace.json"):

@@ -19,9 +19,12 @@ measures achieved bandwidth.
 Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
 backward runs enough programs to fill every SM's warp slots, each over a contiguous block of rows,
 writing dx row by row and keeping its share of dw and db in fp32 registers; the per-program
-partials (``programs x N``, fp32) are summed by ``torch.sum``: no atomics, so results do not
-depend on scheduling. Inputs and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of
-different ones); every sum is fp32 and each output is rounded once, on store.
+partials (``programs x N``, fp32) are summed by a third small kernel that writes dw and db in
+their parameters' dtypes: no atomics, so results do not depend on scheduling. Inputs and outputs
+may be fp32, fp16 or bf16 (and ``x``, ``w`` of different ones); every sum is fp32 and each output
+is rounded once, on store. At the small shapes of an LM the kernels run for less time than the
+host takes to launch them, so they are launched through :mod:`effdl.ops.triton_launch` (the
+compiled kernel's handle, without the JIT's per-call argument binding).
 
 The PyTorch path computes the same formulas with torch ops in fp32 (float64 for float64 input).
 It serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` elements (a row must fit
@@ -40,6 +43,8 @@ import math
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from effdl.ops.triton_launch import CompiledLauncher
 
 try:
     import triton
@@ -112,6 +117,34 @@ if triton is not None:
         if WANT_DB:
             tl.store(db_ptr + pid * n + cols, db, mask=mask)
 
+    @triton.jit
+    def _sum_partials_kernel(
+        part_ptr, dw_ptr, db_ptr, programs, n,
+        WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # part_ptr: (planes, programs, n) fp32, the dw plane first where both are wanted.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_P)
+        col_ok = cols < n
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db_plane = part_ptr + programs * n if WANT_DW else part_ptr
+        for first in range(0, programs, BLOCK_P):
+            offs = (first + rows)[:, None] * n + cols[None, :]
+            ok = ((first + rows) < programs)[:, None] & col_ok[None, :]
+            if WANT_DW:
+                dw += tl.sum(tl.load(part_ptr + offs, mask=ok, other=0.0), axis=0)
+            if WANT_DB:
+                db += tl.sum(tl.load(db_plane + offs, mask=ok, other=0.0), axis=0)
+        if WANT_DW:
+            tl.store(dw_ptr + cols, dw.to(dw_ptr.dtype.element_ty), mask=col_ok)
+        if WANT_DB:
+            tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=col_ok)
+
+    _launch_forward = CompiledLauncher(_forward_kernel)
+    _launch_backward = CompiledLauncher(_backward_kernel)
+    _launch_sum_partials = CompiledLauncher(_sum_partials_kernel)
+
 
 def uses_triton(x: torch.Tensor, width: int) -> bool:
     """Whether :func:`fused_layer_norm` runs the Triton kernels for ``x`` with rows of ``width``:
@@ -155,36 +188,45 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 def _triton_forward(x, weight, bias, eps):
     m, n = x.shape
     y = torch.empty_like(x)
-    mean = torch.empty(m, device=x.device, dtype=torch.float32)
-    rstd = torch.empty_like(mean)
+    stats = torch.empty((2, m), device=x.device, dtype=torch.float32)  # mean, rstd
     block = triton.next_power_of_2(n)
-    _forward_kernel[(m,)](
-        x, y, weight if weight is not None else x, bias if bias is not None else x,
-        mean, rstd, x.stride(0), y.stride(0), n, eps,
+    _launch_forward(
+        (m,), x, y, weight if weight is not None else x, bias if bias is not None else x,
+        stats[0], stats[1], x.stride(0), y.stride(0), n, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
-    return y, mean, rstd
+    return y, stats[0], stats[1]
 
 
-def _triton_backward(dy, x, weight, mean, rstd, want_dw, want_db):
+SUM_BLOCK_P = 32  # partial rows per iteration of the summing kernel
+SUM_BLOCK_N = 128  # columns per program of the summing kernel
+
+
+def _triton_backward(dy, x, weight, mean, rstd, dw_dtype, db_dtype):
     m, n = x.shape
+    want_dw, want_db = dw_dtype is not None, db_dtype is not None
     dx = torch.empty_like(x)
     block = triton.next_power_of_2(n)
     programs = _backward_programs(m, block, x.device)
     partial = torch.empty(
         (2 if want_dw and want_db else 1, programs, n), device=x.device, dtype=torch.float32
     )
-    dw_part, db_part = partial[0], partial[-1]
-    _backward_kernel[(programs,)](
-        x, dy, dx, weight if weight is not None else x, mean, rstd, dw_part, db_part,
-        x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
+    _launch_backward(
+        (programs,), x, dy, dx, weight if weight is not None else x, mean, rstd, partial[0],
+        partial[-1], x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
         HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
         BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
     if not (want_dw or want_db):
         return dx, None, None
-    sums = partial.sum(1)  # one launch for both
-    return dx, sums[0] if want_dw else None, sums[-1] if want_db else None
+    dw = torch.empty(n, device=x.device, dtype=dw_dtype) if want_dw else None
+    db = torch.empty(n, device=x.device, dtype=db_dtype) if want_db else None
+    _launch_sum_partials(
+        (triton.cdiv(n, SUM_BLOCK_N),), partial, dw if want_dw else partial,
+        db if want_db else partial, programs, n,
+        WANT_DW=want_dw, WANT_DB=want_db, BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N, num_warps=4,
+    )  # fmt: skip
+    return dx, dw, db
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -204,14 +246,14 @@ def _torch_forward(x, weight, bias, eps):
     return y.to(x.dtype), mean, rstd
 
 
-def _torch_backward(dy, x, weight, mean, rstd, want_dw, want_db):
+def _torch_backward(dy, x, weight, mean, rstd, dw_dtype, db_dtype):
     cdt = _compute_dtype(x)
     dyf = dy.to(cdt)
     xhat = (x.to(cdt) - mean[:, None]) * rstd[:, None]
     g = dyf * weight.to(cdt) if weight is not None else dyf
     dx = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd[:, None]
-    dw = (dyf * xhat).sum(0) if want_dw else None
-    db = dyf.sum(0) if want_db else None
+    dw = (dyf * xhat).sum(0).to(dw_dtype) if dw_dtype is not None else None
+    db = dyf.sum(0).to(db_dtype) if db_dtype is not None else None
     return dx.to(x.dtype), dw, db
 
 
@@ -240,9 +282,10 @@ class FusedLayerNormFunction(torch.autograd.Function):
         _, want_dw, want_db, _, _ = ctx.needs_input_grad
         backward = _triton_backward if ctx.use_triton else _torch_backward
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        dx, dw, db = backward(dy, x, weight, mean, rstd, want_dw, want_db)
-        dw = dw.to(weight.dtype) if dw is not None else None
-        db = db.to(ctx.bias_dtype) if db is not None else None
+        dw_dtype = weight.dtype if want_dw else None
+        dx, dw, db = backward(
+            dy, x, weight, mean, rstd, dw_dtype, ctx.bias_dtype if want_db else None
+        )
         return dx, dw, db, None, None
 
 

@@ -244,10 +244,12 @@ class Profile:
     ``blocks`` ModuleList: each block); None hooks every module. Each hooked module costs host
     time per call, so a model whose step is bound by the host (many small kernels) runs slower
     by that much while recorded: a shallow profile of its blocks keeps the cost small, and
-    ``sample_every=n`` spreads it: each step hooks one n-th of the modules (the k-th module in
-    model order in the steps whose number is k modulo n), so every module is still timed, in
-    one step of every n, and a step pays for a tenth of the hooks with n = 10. A module's
-    ``calls`` and ``step_pct`` then count the recorded steps it was hooked in.
+    ``sample_every=n`` spreads it: each recorded step hooks one n-th of the modules (the k-th
+    module in model order in the recorded steps numbered k modulo n, counting recorded steps
+    only, so a schedule's idle steps skip no share; a warm-up step hooks the share of the
+    recorded step after it), so every module is still timed, in one recorded step of every n,
+    and a step pays for a tenth of the hooks with n = 10. A module's ``calls`` and
+    ``step_pct`` then count the recorded steps it was hooked in.
 
     Reading results (:meth:`spans`, :meth:`records`, :meth:`summary`, :meth:`to_perfetto`)
     synchronizes the device once. A profile records one ``with`` block.
@@ -287,6 +289,7 @@ class Profile:
         self._active = False
         self._clock: _HostClock | _CudaClock | None = None
         self._step = 0
+        self._recorded_steps = 0  # RECORD steps finished: picks the share of sampled modules
         self._phase = Phase.NONE
         self._step_start: Any = None
         # Per module, its forward calls in flight: (start stamp, backward call, input views and their versions).
@@ -330,7 +333,7 @@ class Profile:
         self._begin_step(now)
 
     def _register_hooks(self) -> None:
-        self._hooked = self._shares[self._step % self.sample_every]
+        self._hooked = self._shares[self._recorded_steps % self.sample_every]
         try:
             for i in self._hooked:
                 module = self._modules[i][1]
@@ -369,6 +372,7 @@ class Profile:
         if self._phase is Phase.RECORD:
             self._spans += self._pending
             self._steps.append((self._step, self._step_start, now))
+            self._recorded_steps += 1
         elif self._phase is Phase.WARMUP:
             # Spans share stamps (a backward start or end closes several calls at once): each
             # event goes back to the pool once, or two later stamps would be one event.

@@ -335,6 +335,23 @@ def test_sample_every_hooks_each_module_in_its_share_of_steps(net: Net, x: torch
     assert len(prof.step_times_ms()) == steps
 
 
+def test_sample_every_with_a_schedule_rotates_over_recorded_steps(
+    net: Net, x: torch.Tensor
+) -> None:
+    """Recorded steps alternate with idle and warm-up ones; every share of the modules is
+    still recorded, in turn, and a warm-up step hooks the share recorded after it."""
+    n = 2
+    sched = Schedule(wait=1, warmup=1, active=1)
+    with Profile(net, schedule=sched, sample_every=n) as prof:
+        train_steps(net, prof, 3 * 2 * n, x)  # 2n cycles: each share recorded twice
+    paths = [p or "model" for p, _ in net.named_modules()]
+    recorded = sorted({s.step for s in prof.spans() if s.kind == "step"})
+    assert recorded == [2, 5, 8, 11]
+    for turn, step in enumerate(recorded):
+        hooked = {s.path for s in prof.spans() if s.step == step and s.kind == "forward"}
+        assert hooked == {p for k, p in enumerate(paths) if k % n == turn % n}, step
+
+
 def test_sample_every_must_be_positive(net: Net) -> None:
     with pytest.raises(ValueError, match="sample_every"):
         Profile(net, sample_every=0)
