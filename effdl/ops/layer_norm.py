@@ -19,8 +19,8 @@ measures achieved bandwidth.
 Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
 backward runs enough programs to fill every SM's warp slots, each over a contiguous block of rows,
 writing dx row by row and keeping its share of dw and db in fp32 registers; the per-program
-partials (``programs x N``, fp32) are summed by a third small kernel that writes dw and db in
-their parameters' dtypes: no atomics, so results do not depend on scheduling. Inputs and outputs
+partials (``programs x N``, fp32) are summed by ``torch.sum`` (its reduction kernel beats a
+simple Triton one here): no atomics, so results do not depend on scheduling. Inputs and outputs
 may be fp32, fp16 or bf16 (and ``x``, ``w`` of different ones); every sum is fp32 and each output
 is rounded once, on store. At the small shapes of an LM the kernels run for less time than the
 host takes to launch them, so they are launched through :mod:`effdl.ops.triton_launch` (the
@@ -117,33 +117,8 @@ if triton is not None:
         if WANT_DB:
             tl.store(db_ptr + pid * n + cols, db, mask=mask)
 
-    @triton.jit
-    def _sum_partials_kernel(
-        part_ptr, dw_ptr, db_ptr, programs, n,
-        WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        # part_ptr: (planes, programs, n) fp32, the dw plane first where both are wanted.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, BLOCK_P)
-        col_ok = cols < n
-        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db_plane = part_ptr + programs * n if WANT_DW else part_ptr
-        for first in range(0, programs, BLOCK_P):
-            offs = (first + rows)[:, None] * n + cols[None, :]
-            ok = ((first + rows) < programs)[:, None] & col_ok[None, :]
-            if WANT_DW:
-                dw += tl.sum(tl.load(part_ptr + offs, mask=ok, other=0.0), axis=0)
-            if WANT_DB:
-                db += tl.sum(tl.load(db_plane + offs, mask=ok, other=0.0), axis=0)
-        if WANT_DW:
-            tl.store(dw_ptr + cols, dw.to(dw_ptr.dtype.element_ty), mask=col_ok)
-        if WANT_DB:
-            tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=col_ok)
-
     _launch_forward = CompiledLauncher(_forward_kernel)
     _launch_backward = CompiledLauncher(_backward_kernel)
-    _launch_sum_partials = CompiledLauncher(_sum_partials_kernel)
 
 
 def uses_triton(x: torch.Tensor, width: int) -> bool:
@@ -198,10 +173,6 @@ def _triton_forward(x, weight, bias, eps):
     return y, stats[0], stats[1]
 
 
-SUM_BLOCK_P = 32  # partial rows per iteration of the summing kernel
-SUM_BLOCK_N = 128  # columns per program of the summing kernel
-
-
 def _triton_backward(dy, x, weight, mean, rstd, dw_dtype, db_dtype):
     m, n = x.shape
     want_dw, want_db = dw_dtype is not None, db_dtype is not None
@@ -219,14 +190,11 @@ def _triton_backward(dy, x, weight, mean, rstd, dw_dtype, db_dtype):
     )  # fmt: skip
     if not (want_dw or want_db):
         return dx, None, None
-    dw = torch.empty(n, device=x.device, dtype=dw_dtype) if want_dw else None
-    db = torch.empty(n, device=x.device, dtype=db_dtype) if want_db else None
-    _launch_sum_partials(
-        (triton.cdiv(n, SUM_BLOCK_N),), partial, dw if want_dw else partial,
-        db if want_db else partial, programs, n,
-        WANT_DW=want_dw, WANT_DB=want_db, BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N, num_warps=4,
-    )  # fmt: skip
-    return dx, dw, db
+    sums = partial.sum(1)  # one launch for both
+    if dw_dtype == db_dtype or not (want_dw and want_db):
+        sums = sums.to(dw_dtype or db_dtype)  # one cast for both
+        return dx, sums[0] if want_dw else None, sums[-1] if want_db else None
+    return dx, sums[0].to(dw_dtype), sums[1].to(db_dtype)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -39,11 +39,13 @@ def _direct_launch_supported() -> bool:
 
 def _launch_hooks_set() -> bool:
     """Whether Triton's launch enter/exit hooks are set (a profiler such as proton): the JIT
-    path calls them with its launch metadata."""
+    path calls them with its launch metadata. A hook is a function, None, or (newer Triton) a
+    chain of functions, empty when none is set."""
     knobs = getattr(triton, "knobs", None)
     if knobs is None:
         return True  # no knobs module: keep to the JIT path
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)
 
 
 def _arg_key(arg: object) -> object:
