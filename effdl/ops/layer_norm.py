@@ -19,12 +19,9 @@ measures achieved bandwidth.
 Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
 backward runs enough programs to fill every SM's warp slots, each over a contiguous block of rows,
 writing dx row by row and keeping its share of dw and db in fp32 registers; the per-program
-partials (``programs x N``, fp32) are summed by ``torch.sum`` (its reduction kernel beats a
-simple Triton one here): no atomics, so results do not depend on scheduling. Inputs and outputs
-may be fp32, fp16 or bf16 (and ``x``, ``w`` of different ones); every sum is fp32 and each output
-is rounded once, on store. At the small shapes of an LM the kernels run for less time than the
-host takes to launch them, so they are launched through :mod:`effdl.ops.triton_launch` (the
-compiled kernel's handle, without the JIT's per-call argument binding).
+partials (``programs x N``, fp32) are summed by ``torch.sum``: no atomics, so results do not
+depend on scheduling. Inputs and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of
+different ones); every sum is fp32 and each output is rounded once, on store.
 
 The PyTorch path computes the same formulas with torch ops in fp32 (float64 for float64 input).
 It serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` elements (a row must fit
@@ -43,8 +40,6 @@ import math
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-
-from effdl.ops.triton_launch import CompiledLauncher
 
 try:
     import triton
@@ -117,9 +112,6 @@ if triton is not None:
         if WANT_DB:
             tl.store(db_ptr + pid * n + cols, db, mask=mask)
 
-    _launch_forward = CompiledLauncher(_forward_kernel)
-    _launch_backward = CompiledLauncher(_backward_kernel)
-
 
 def uses_triton(x: torch.Tensor, width: int) -> bool:
     """Whether :func:`fused_layer_norm` runs the Triton kernels for ``x`` with rows of ``width``:
@@ -165,8 +157,8 @@ def _triton_forward(x, weight, bias, eps):
     y = torch.empty_like(x)
     stats = torch.empty((2, m), device=x.device, dtype=torch.float32)  # mean, rstd
     block = triton.next_power_of_2(n)
-    _launch_forward(
-        (m,), x, y, weight if weight is not None else x, bias if bias is not None else x,
+    _forward_kernel[(m,)](
+        x, y, weight if weight is not None else x, bias if bias is not None else x,
         stats[0], stats[1], x.stride(0), y.stride(0), n, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
@@ -182,8 +174,8 @@ def _triton_backward(dy, x, weight, mean, rstd, dw_dtype, db_dtype):
     partial = torch.empty(
         (2 if want_dw and want_db else 1, programs, n), device=x.device, dtype=torch.float32
     )
-    _launch_backward(
-        (programs,), x, dy, dx, weight if weight is not None else x, mean, rstd, partial[0],
+    _backward_kernel[(programs,)](
+        x, dy, dx, weight if weight is not None else x, mean, rstd, partial[0],
         partial[-1], x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
         HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
         BLOCK=block, num_warps=_num_warps(block),

@@ -274,8 +274,8 @@ def test_cuda_module_bf16_weights_mixed_with_fp32_input():
 
 @pytest.mark.gpu
 def test_cuda_repeated_calls_on_aligned_and_offset_rows():
-    """Kernels launched through their compiled handles: a row start 2 bytes off the 16-byte
-    alignment after aligned calls (and back) must not run a kernel compiled for aligned rows."""
+    """A row start 2 bytes off the 16-byte alignment after aligned calls (and back) must not
+    run the kernel Triton compiled for aligned rows."""
     pytest.importorskip("triton")
     m, n = 300, 1024
     buf = torch.randn(m * n + 1, device="cuda", dtype=torch.bfloat16)
