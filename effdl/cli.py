@@ -205,6 +205,14 @@ def require_positive(cfg: Any, *names: str, minimum: float = 1) -> None:
                 raise UsageError(f"{flag_of(name)} must be >= {minimum:g}, got {v!r}")
 
 
+def require_multiple(cfg: Any, name: str, of: str) -> None:
+    """UsageError naming both flags unless field ``name`` of ``cfg`` is a multiple of field
+    ``of`` (e.g. a batch made of whole micro-batches)."""
+    value, unit = getattr(cfg, name), getattr(cfg, of)
+    if value % unit:
+        raise UsageError(f"{flag_of(name)} {value} is not a multiple of {flag_of(of)} {unit}")
+
+
 def require_choices(cfg: Any, name: str, choices: Iterable[str]) -> None:
     """UsageError naming the flag unless field ``name`` (a value or a list) is among ``choices``."""
     choices = list(choices)

@@ -7,13 +7,19 @@ bf16 working weights on the GPU, fp32 master weights and Adam moments on the CPU
     python memory_efficient_gpt2/train.py --device cuda --baseline          # fwd+bwd: HF, and ours
     python memory_efficient_gpt2/train.py --device cuda --steps 8           # training corpus
     python memory_efficient_gpt2/train.py --device cuda --fixed-batch --steps 30 --reference adamw
+    # the fixed-batch test from pretrained weights (from random init the loss stops at the
+    # batch's unigram entropy, a 43% fall): pretrain.py first, never on the fixed batch's tokens
+    python memory_efficient_gpt2/pretrain.py --device cuda --minutes 4.5 --save /tmp/ckpt
+    python memory_efficient_gpt2/train.py --device cuda --model-path /tmp/ckpt --fixed-batch --steps 30 --reference adamw
     python memory_efficient_gpt2/train.py --device cuda --peer torchao      # torchao's offload
     python memory_efficient_gpt2/train.py --device cuda --level 3 --steps 8   # GPT-2-XL, 11 GiB
 
 Data: by default Python's own documentation and source (effdl.data.stdlib_text), tokenized by a
 byte-level BPE of ``--bpe-vocab`` ids trained on it (GPT-2's 50257 by default, so the model keeps
 its shape; built once under ``--cache``), documents separated by ``<bos>``; with
-``--model-path`` the folder's own tokenizer reads that text instead. ``--data FILE`` reads
+``--model-path`` the folder's own tokenizer reads that text instead, ``<bos>`` kept when that
+tokenizer has it (so a pretrain.py folder, which carries the BPE, reads the identical stream;
+GPT-2's own tokenizer has no ``<bos>``, its documents are joined). ``--data FILE`` reads
 WikiText or a parquet, ``--data generated`` the synthetic token stream. The learning rate warms
 up linearly over ``--warmup-steps``, then stays (``--lr-schedule constant``) or decays along a
 cosine to a tenth (``cosine``).
@@ -60,16 +66,15 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_multiple,
     require_path,
     require_positive,
     run_main,
     start_run,
 )
 from effdl.data.corpus import CorpusFormatError, read_wikitext
-from effdl.data.parquet import read_text_column
-from effdl.data.stdlib_text import DEFAULT_CACHE, stdlib_bpe, stdlib_corpus
+from effdl.data.stdlib_text import DEFAULT_CACHE, stdlib_training_text
 from effdl.data.token_streams import step_batches, synthetic_stream, text_stream
-from effdl.data.tokenize import BOS_TOKEN, load_hf_tokenizer
 from effdl.models.gpt2 import (
     SHAPES,
     build_gpt2,
@@ -215,10 +220,7 @@ class TrainConfig:
                 f"--checkpoint-layers must be -1 (auto) or 0..{shape.n_layer} for --size "
                 f"{self.size}, got {self.checkpoint_layers}"
             )
-        if self.batch % self.micro_batch:
-            raise UsageError(
-                f"--batch {self.batch} is not a multiple of --micro-batch {self.micro_batch}"
-            )
+        require_multiple(self, "batch", "micro_batch")
         if self.seq > shape.n_positions:
             raise UsageError(f"--seq {self.seq} exceeds GPT-2's {shape.n_positions} positions")
         if self.model_path is not None:
@@ -484,31 +486,25 @@ def model_tokenizer(cfg: TrainConfig) -> str:
     return str(folder) if folder and (folder / "tokenizer.json").is_file() else "utf-8 bytes"
 
 
-def stdlib_text(cfg: TrainConfig) -> tuple[list[str], Path, int | None, dict[str, str]]:
-    """The stdlib corpus's training documents, the tokenizer folder that reads them (the stdlib
-    BPE, or ``--model-path``'s), the id put before each document (``<bos>`` of the BPE; none
-    with another tokenizer), and the names the records give them."""
-    corpus = stdlib_corpus(cfg.cache, max_bytes=cfg.corpus_bytes)
-    docs = read_text_column(corpus.train).to_pylist()
-    if cfg.model_path is not None:
-        return docs, cfg.model_path, None, {"data": corpus.name, "tokenizer": model_tokenizer(cfg)}
-    folder = stdlib_bpe(corpus, cfg.bpe_vocab)
-    bos = load_hf_tokenizer(folder).token_to_id(BOS_TOKEN)
-    return docs, folder, bos, {"data": corpus.name, "tokenizer": folder.name}
-
-
 def make_batches(
     cfg: TrainConfig, vocab: int, seed: int
 ) -> tuple[list[torch.Tensor], dict[str, str]]:
     """One (batch, seq) int64 tensor per step (the same one with --fixed-batch), and the names
-    of the data and tokenizer for the records: the stdlib corpus by default, the synthetic
+    of the data and tokenizer for the records: the stdlib corpus by default
+    (:func:`effdl.data.stdlib_text.stdlib_training_text`: with ``--model-path``, read by the
+    folder's tokenizer, ``<bos>`` kept between documents when it has that token), the synthetic
     stream for ``--data generated``, else ``--data`` read as the other scripts read it (checked
     in full)."""
     if cfg.data is None:
-        docs, tokenizer_dir, bos, names = stdlib_text(cfg)
+        try:
+            text = stdlib_training_text(cfg.cache, cfg.bpe_vocab, cfg.corpus_bytes, cfg.model_path)
+        except CorpusFormatError as e:  # the folder's tokenizer.json does not load
+            raise UsageError(f"--model-path: {e}") from None
+        tokenizer = model_tokenizer(cfg) if cfg.model_path else text.tokenizer_dir.name
+        names = {"data": text.name, "tokenizer": tokenizer}
         stream = functools.partial(
-            text_stream, docs, vocab=vocab, tokenizer_dir=tokenizer_dir, source=names["data"],
-            bos_id=bos,
+            text_stream, text.docs, vocab=vocab, tokenizer_dir=text.tokenizer_dir,
+            source=text.name, bos_id=text.bos_id,
         )  # fmt: skip
     elif cfg.synthetic:
         stream = functools.partial(synthetic_stream, vocab=vocab, seed=seed)

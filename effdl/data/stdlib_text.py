@@ -11,7 +11,8 @@ parquet metadata records both.
 :func:`stdlib_bpe` trains a byte-level BPE (``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2) on the
 training half, offline, and saves it as a Hugging Face tokenizer folder. :func:`unigram_entropy`
 gives the loss (nats per token) of a model that knows only token frequencies: a loss curve that
-does not go below it has learned no context.
+does not go below it has learned no context. :func:`stdlib_training_text` is what the GPT-2
+scripts train on: the training half, its tokenizer and the ``<bos>`` id between documents.
 
 Everything is cached under a folder the caller names and written atomically (a temporary name,
 then a rename), so an interrupted build never leaves a file that looks complete.
@@ -34,8 +35,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from effdl.data.parquet import TEXT_COLUMN
-from effdl.data.tokenize import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, train_byte_level_bpe
+from effdl.data.parquet import TEXT_COLUMN, read_text_column
+from effdl.data.tokenize import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    tokenizer_token_id,
+    train_byte_level_bpe,
+)
 
 DEFAULT_CACHE = Path("runs/cache/lm")
 # Folders of the stdlib tree that hold third-party packages or test suites, not library code.
@@ -211,6 +218,37 @@ def stdlib_bpe(corpus: TextCorpus, vocab_size: int = 8192, cache_dir: Path | Non
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@dataclass(frozen=True)
+class TrainingText:
+    """The training documents of a :class:`TextCorpus` and how they become one token stream:
+    tokenized with ``tokenizer_dir`` (:func:`effdl.data.token_streams.text_stream`), ``bos_id``
+    before every document (None: nothing between them)."""
+
+    docs: list[str]
+    name: str
+    tokenizer_dir: Path
+    bos_id: int | None
+
+
+def stdlib_training_text(
+    cache_dir: Path = DEFAULT_CACHE,
+    bpe_vocab: int = 50257,
+    max_bytes: int | None = None,
+    tokenizer_dir: Path | None = None,
+) -> TrainingText:
+    """The stdlib corpus's training half (:func:`stdlib_corpus`), read with ``tokenizer_dir``
+    or, without one, the corpus's own BPE of ``bpe_vocab`` ids (:func:`stdlib_bpe`), with the
+    tokenizer's ``<bos>`` id between documents when it has that token.
+
+    One rule for every reader: a model folder that carries the BPE's ``tokenizer.json`` (as
+    ``memory_efficient_gpt2/pretrain.py`` writes it) reads the very stream the BPE reads.
+    """
+    corpus = stdlib_corpus(cache_dir, max_bytes=max_bytes)
+    docs = read_text_column(corpus.train).to_pylist()
+    folder = Path(tokenizer_dir) if tokenizer_dir is not None else stdlib_bpe(corpus, bpe_vocab)
+    return TrainingText(docs, corpus.name, folder, tokenizer_token_id(folder, BOS_TOKEN))
 
 
 def token_counts(

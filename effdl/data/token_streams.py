@@ -35,20 +35,24 @@ def synthetic_stream(n_tokens: int, vocab: int, seed: int) -> Tensor:
     return torch.cat(out)[:n_tokens]
 
 
+ENCODE_BATCH_LINES = 64  # lines per ``encode_batch`` call (Rust threads; bounds the overshoot)
+
+
 def text_stream(
     lines: list[str],
-    n_tokens: int,
+    n_tokens: int | None,
     vocab: int,
     tokenizer_dir: Path | None = None,
     source: str | Path = "text",
     bos_id: int | None = None,
 ) -> Tensor:
     """The first ``n_tokens`` token ids of ``lines`` (read by :func:`effdl.data.corpus.read_wikitext`
-    or any reader of text lines), int64.
+    or any reader of text lines), int64; all of them when ``n_tokens`` is None.
 
     Tokenized with ``tokenizer_dir/tokenizer.json`` (a Hugging Face tokenizer) if that file
-    exists, else as the UTF-8 bytes of each line and its newline (ids < 256: crude, but needs no
-    download). With ``bos_id``, that id goes before every line (documents kept apart, as
+    exists, a few lines per ``encode_batch`` call (the ids ``encode`` gives, on all cores), else
+    as the UTF-8 bytes of each line and its newline (ids < 256: crude, but needs no download).
+    With ``bos_id``, that id goes before every line (documents kept apart, as
     :class:`effdl.data.parquet.IterableParquetDataset` packs them). Raises
     :class:`CorpusFormatError` naming ``source`` if the lines give too few tokens or ids outside
     ``vocab``.
@@ -59,21 +63,23 @@ def text_stream(
 
         tokenizer = Tokenizer.from_file(str(tok_file))
 
-        def encode(line: str) -> list[int]:
-            return tokenizer.encode(line).ids
+        def encode(batch: list[str]) -> list[list[int]]:
+            return [e.ids for e in tokenizer.encode_batch(batch)]
     else:
 
-        def encode(line: str) -> list[int]:
-            return list((line + "\n").encode("utf-8"))
+        def encode(batch: list[str]) -> list[list[int]]:
+            return [list((line + "\n").encode("utf-8")) for line in batch]
 
     prefix = [] if bos_id is None else [bos_id]
+    wanted = float("inf") if n_tokens is None else n_tokens
     ids: list[int] = []
-    for line in lines:
-        ids += prefix + encode(line)
-        if len(ids) >= n_tokens:
+    for start in range(0, len(lines), ENCODE_BATCH_LINES):
+        for line_ids in encode(lines[start : start + ENCODE_BATCH_LINES]):
+            ids += prefix + line_ids
+        if len(ids) >= wanted:
             break
-    if len(ids) < n_tokens:
-        raise CorpusFormatError(f"{source} gives {len(ids)} tokens, need {n_tokens}")
+    if not ids or (n_tokens is not None and len(ids) < n_tokens):
+        raise CorpusFormatError(f"{source} gives {len(ids)} tokens, need {n_tokens or 1}")
     tokens = torch.tensor(ids[:n_tokens], dtype=torch.long)
     if int(tokens.max()) >= vocab:
         raise CorpusFormatError(f"{source} gives token id {int(tokens.max())} >= vocab {vocab}")

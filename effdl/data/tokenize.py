@@ -360,6 +360,15 @@ def load_hf_tokenizer(path: str | os.PathLike):
     return tok.backend_tokenizer
 
 
+def tokenizer_token_id(tokenizer_dir: str | os.PathLike | None, token: str) -> int | None:
+    """The id of ``token`` in ``tokenizer_dir/tokenizer.json``; None without that file (the
+    readers then fall back to UTF-8 bytes) or without that token in it."""
+    file = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir is not None else None
+    if file is None or not file.is_file():
+        return None
+    return load_hf_tokenizer(file).token_to_id(token)
+
+
 def train_byte_level_bpe(lines: Sequence[str], vocab_size: int = 8192, min_frequency: int = 2):
     """Train a byte-level BPE on ``lines`` (offline); ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2.
 

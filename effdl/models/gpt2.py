@@ -9,13 +9,20 @@
   its input and recomputes its forward in backward), so memory can be traded layer by layer.
 * :func:`lm_loss`: the next-token loss through :func:`effdl.ops.chunked_lm_loss.chunked_lm_loss`,
   without the ``tokens x 50257`` logits.
+* :func:`save_gpt2_folder`: a trained model as the local folder :func:`build_gpt2` loads, with
+  its tokenizer beside it, written whole or not at all.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import shutil
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from effdl.ops.chunked_lm_loss import chunked_lm_loss
 
 GPT2_LARGE_PARAMS = 774_030_080
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -116,3 +124,39 @@ def lm_loss(model: torch.nn.Module, input_ids: Tensor, chunk_tokens: int = 1024)
         input_ids[:, 1:].reshape(-1),
         chunk_tokens,
     )
+
+
+def save_gpt2_folder(
+    model: torch.nn.Module,
+    folder: Path,
+    tokenizer_dir: Path | None = None,
+    notes: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` (a ``GPT2LMHeadModel``) as a Hugging Face folder that
+    :func:`build_gpt2` loads: ``config.json`` and ``model.safetensors`` in the parameters' dtype
+    (the tied LM head stored once), the :data:`TOKENIZER_FILES` of ``tokenizer_dir`` that exist,
+    and ``notes`` as ``notes.json`` (provenance; loaders ignore it). ``model`` is not modified.
+
+    Built in a temporary sibling folder and renamed to ``folder`` at the end, so an interrupted
+    write leaves nothing under that name; ``FileExistsError`` if ``folder`` exists and is not
+    empty (nothing is overwritten)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp"))
+    try:
+        model.save_pretrained(tmp)  # safetensors, the default
+        for name in TOKENIZER_FILES:
+            if tokenizer_dir is not None and (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+        if notes is not None:
+            (tmp / "notes.json").write_text(json.dumps(notes, indent=1, default=str))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the folder from other users
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if folder.exists():
+                raise FileExistsError(f"{folder} exists: not overwritten") from None
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

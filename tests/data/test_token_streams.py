@@ -19,6 +19,7 @@ from effdl.data.token_streams import (
     synthetic_stream,
     text_stream,
 )
+from effdl.data.tokenize import tokenizer_token_id
 
 
 def test_synthetic_stream_is_pinned() -> None:
@@ -61,6 +62,11 @@ def test_text_stream_with_local_tokenizer(tmp_path: Path) -> None:
     tok.save(str(tmp_path / "tokenizer.json"))
     lines = ["the cat sat", "the dog sat"]
     assert text_stream(lines, 5, vocab=4, tokenizer_dir=tmp_path).tolist() == [1, 2, 3, 1, 0]
+    everything = text_stream(lines * 100, None, vocab=4, tokenizer_dir=tmp_path, bos_id=0)
+    assert everything.tolist() == [0, 1, 2, 3, 0, 1, 0, 3] * 100  # all lines, in batches
+    assert tokenizer_token_id(tmp_path, "cat") == 2
+    assert tokenizer_token_id(tmp_path, "<bos>") is None
+    assert tokenizer_token_id(tmp_path / "nowhere", "cat") is None  # bytes: no tokens
 
 
 def test_text_stream_errors_name_the_source() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from effdl.models.gpt2 import (
     count_params,
     gpt2_config,
     lm_loss,
+    save_gpt2_folder,
 )
 
 # fp32 on CPU; differences come only from summation order (chunking, fused GELU kernel)
@@ -75,3 +78,33 @@ def test_bad_arguments() -> None:
     ours, _ = _tiny_pair()
     with pytest.raises(ValueError, match="checkpoint"):
         checkpoint_blocks(ours, 3)
+
+
+def test_saved_folder_loads_back_with_its_tokenizer_and_notes(tmp_path) -> None:
+    tok = tmp_path / "bpe"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    torch.manual_seed(0)
+    model = build_gpt2(gpt2_config("tiny", dropout=0.0))
+    folder = save_gpt2_folder(model, tmp_path / "out" / "model", tok, {"steps": 3})
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model"]  # no temporary left
+    assert (folder / "tokenizer.json").read_text() == "{}"
+    assert '"steps": 3' in (folder / "notes.json").read_text()
+    loaded = build_gpt2(model_path=folder).state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+    with pytest.raises(FileExistsError, match="not overwritten"):
+        save_gpt2_folder(model, folder)
+
+
+def test_an_interrupted_save_leaves_no_folder(tmp_path, monkeypatch) -> None:
+    model = build_gpt2(gpt2_config("tiny"))
+
+    def interrupted(self, directory, **kwargs):
+        (Path(directory) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model), "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_gpt2_folder(model, tmp_path / "model")
+    assert list(tmp_path.iterdir()) == []
