@@ -11,10 +11,14 @@ curve must coincide with ``--reference`` (the same model, seed and batches in on
     torchrun --nproc-per-node 4 memory_efficient_gpt2/pipeline_parallel.py --backend nccl
 
 Without ``torchrun`` the script starts its own ranks (effdl.parallel.launch.spawn); with
-``--backend nccl`` rank r uses GPU ``r % device_count`` (ranks may share a GPU). Per step: loss
-and step time; per run: the bubble fraction measured over the last ``--timed-steps`` steps
-(compute time per action against the step's wall time) beside the formula, the activations held
-in flight and the peak memory of every rank (RSS on CPU, ``max_memory_allocated`` on GPU).
+``--backend nccl`` rank r uses GPU ``r % device_count`` (ranks may share a GPU). CPU ranks get
+``--threads`` intra-op threads each (default: an equal share of the cores) and their own block
+of cores. Per step: loss and step time (that of the last rank to finish). Per run, over the last
+``--timed-steps`` steps (the earlier ones are warm-up): the median step time, the bubble fraction
+measured (compute time per action against the step's wall time) beside the formula, each
+stage's compute time per micro-batch and the time of one activation message (so the reader
+sees that messages are small against compute), the activations held in flight and the peak
+memory of every rank (RSS on CPU, ``max_memory_allocated`` on GPU).
 ``--long`` runs ``--long-micro-batches`` counts of ``--long-micro-batch-size`` rows each and
 logs the peak memory at each count, which stays flat with 1F1B. ``--compare-torch`` trains the
 same split model with torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B instead (the
@@ -51,12 +55,14 @@ from effdl.cli import (
     start_run,
 )
 from effdl.data.digits import DigitsDataError, load_digits_tensors
-from effdl.parallel.launch import spawn
+from effdl.parallel.launch import available_cores, cpu_threads, share_cpu, spawn
 from effdl.parallel.pipeline import (
+    FORWARD,
     SCHEDULES,
     PipelineStage,
     bubble_fraction,
     measured_bubble_fraction,
+    simulate_seconds,
     split_sequential,
 )
 
@@ -80,7 +86,7 @@ class PipelineConfig:
     steps: int = 300
     hidden: int = 256
     lr: float = 0.01
-    timed_steps: int = 20
+    timed_steps: int = 20  # the last steps; the earlier ones are warm-up
     reference: bool = False
     long: bool = False
     compare_torch: bool = False  # torch.distributed.pipelining's schedule on the same stages
@@ -91,6 +97,7 @@ class PipelineConfig:
     data: Path | None = None
     dtype: str = "float32"  # float64: curves that coincide over long runs (rounding not amplified)
     seed: int = 0  # from --seed: the model's weights and the data order, the same on every rank
+    threads: int = 0  # intra-op threads per CPU rank; 0: available cores // stages
 
     @property
     def chunks(self) -> int:
@@ -102,7 +109,13 @@ class PipelineConfig:
         require_choices(self, "dtype", DTYPES)
         require_positive(self, "micro_batches", "batch", "steps", "hidden", "virtual")
         require_positive(self, "long_micro_batches", "long_micro_batch_size", "long_steps")
-        require_positive(self, "timed_steps", "lr", minimum=0)
+        require_positive(self, "lr", "threads", minimum=0)
+        require_positive(self, "timed_steps")
+        if self.timed_steps >= self.steps and not (self.reference or self.long):
+            raise UsageError(
+                f"--timed-steps {self.timed_steps} must be below --steps {self.steps}: "
+                "the first steps are warm-up, left out of the timing"
+            )
         require_positive(self, "stages", minimum=2)
         if self.compare_torch and self.schedule not in TORCH_SCHEDULES:
             raise UsageError(
@@ -139,7 +152,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pipel
     flags.add("steps", type=int, help="optimizer steps")
     flags.add("hidden", type=int, help="width of the MLP")
     flags.add("lr", type=float, help="SGD learning rate (momentum 0.9)")
-    flags.add("timed_steps", type=int, help="last steps timed per action (bubble fraction)")
+    flags.add("timed_steps", type=int, help="last steps timed (step time, bubble fraction)")
+    flags.add("threads", type=int, help="intra-op threads per CPU rank; 0: cores // stages")
     flags.add("reference", action="store_true", help="the same training in one process")
     flags.add("long", action="store_true", help="peak memory against the micro-batch count")
     flags.add(
@@ -175,11 +189,12 @@ def load_data(cfg: PipelineConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
 
 
 def build_model(features: int, hidden: int, classes: int, pieces: int) -> nn.Sequential:
-    """``pieces`` blocks of two layers each (near-equal compute per pipeline stage): the first
-    projects the input, the last ends with the classifier. He initialization keeps the signal's
-    scale through the deep ReLU stack (torch's default shrinks it layer by layer, and the loss
-    then stalls for many steps)."""
-    widths = [features] + [hidden] * (2 * pieces - 1) + [classes]
+    """``pieces`` blocks of equal work, two ``hidden x hidden`` layers each (the bubble formula
+    assumes equal stage times): the input projection rides in front of the first block and the
+    classifier behind the last, both small beside a block when ``features`` and ``classes`` are
+    small beside ``hidden``. He initialization keeps the signal's scale through the deep ReLU
+    stack (torch's default shrinks it layer by layer, and the loss then stalls for many steps)."""
+    widths = [features] + [hidden] * (2 * pieces + 1) + [classes]
     layers: list[nn.Module] = []
     for k, (a, b) in enumerate(itertools.pairwise(widths)):
         linear = nn.Linear(a, b)
@@ -188,7 +203,15 @@ def build_model(features: int, hidden: int, classes: int, pieces: int) -> nn.Seq
         layers.append(linear)
         if k < len(widths) - 2:
             layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    # Block k: the layers (and ReLUs) of linears 2k + 1 and 2k + 2; linear 0 joins block 0,
+    # the classifier the last block.
+    bounds = [0] + [4 * k + 2 for k in range(1, pieces)] + [len(layers)]
+    return nn.Sequential(*(nn.Sequential(*layers[a:b]) for a, b in itertools.pairwise(bounds)))
+
+
+def multiply_adds(module: nn.Module) -> int:
+    """Multiply-adds per row of ``module``'s Linear layers (the work of a stage)."""
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
 
 
 def batch_indices(n: int, batch: int, steps: int, seed: int) -> list[torch.Tensor]:
@@ -239,6 +262,34 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def message_seconds(
+    rank: int, pair: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> float:
+    """One-way time of one message of ``shape`` (an activation) between ranks 0 and 1, the
+    only callers: half the median round trip of 20 ping-pongs over ``pair`` (their two-rank
+    group), after 3 untimed."""
+    buf = torch.zeros(shape, dtype=dtype, device=device)
+    times = []
+    for _ in range(23):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1, group=pair)
+            dist.recv(buf, 1, group=pair)
+        else:
+            dist.recv(buf, 0, group=pair)
+            dist.send(buf, 0, group=pair)
+        synchronize(device)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times[3:])
+
+
+def action_seconds(stage: PipelineStage) -> tuple[float, float]:
+    """Mean compute time of a forward and of a backward in the last run (record_timings)."""
+    forward = [t.end_s - t.start_s for t in stage.last_stats.timings if t.action.kind == FORWARD]
+    backward = [t.end_s - t.start_s for t in stage.last_stats.timings if t.action.kind != FORWARD]
+    return statistics.fmean(forward), statistics.fmean(backward)
+
+
 # -- the ranks -----------------------------------------------------------------------------
 
 
@@ -261,23 +312,17 @@ def build_stage(cfg: PipelineConfig, rank: int, features: int, device: torch.dev
     return stage, optimizer
 
 
-def share_cpu_threads(world: int, device: torch.device) -> None:
-    """Give each CPU rank its share of the cores: ``world`` processes each running torch's
-    default (all cores) intra-op threads oversubscribe the CPU and stall in each other's way."""
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-
-
 def train_rank(
     rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
 ) -> dict:
-    """Train through the pipeline; every rank returns its measurements (rank 0's has the
-    losses)."""
-    share_cpu_threads(world, device)
+    """Train through the pipeline; every rank returns its measurements (each has the losses)."""
     x, y, source = load_data(cfg)
     x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
     stage, optimizer = build_stage(cfg, rank, x.shape[1], device)
-    steps, busy, walls = [], [], []
+    pair = dist.new_group([0, 1])
+    shape = (cfg.batch // cfg.micro_batches, cfg.hidden)
+    message_s = message_seconds(rank, pair, shape, x.dtype, device) if rank < 2 else None
+    steps, busy, walls, forward, backward = [], [], [], [], []
     with PeakMemory(device) as memory:
         for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
             timed = step >= cfg.steps - cfg.timed_steps
@@ -293,10 +338,17 @@ def train_rank(
             if timed:
                 busy.append(stage.last_stats.busy_s)
                 walls.append(stage.last_stats.wall_s)
+                f, b = action_seconds(stage)
+                forward.append(f)
+                backward.append(b)
     return {
         "steps": steps,
         "busy_s": busy,
         "wall_s": walls,
+        "forward_s": statistics.median(forward),
+        "backward_s": statistics.median(backward),
+        "message_s": message_s,
+        "multiply_adds": sum(map(multiply_adds, stage.chunks)),
         "peak_in_flight": stage.last_stats.peak_in_flight,
         "peak_memory_bytes": memory.peak,
         "source": source,
@@ -307,10 +359,10 @@ def torch_rank(
     rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
 ) -> dict:
     """The same stages, data and optimizer through torch.distributed.pipelining (the speed
-    reference; only the last rank sees the loss, the others log NaN)."""
+    reference; only the last rank sees the loss, the others log NaN). Peak memory is sampled
+    as in :func:`train_rank`, so both runs carry the same sampling thread."""
     from torch.distributed import pipelining
 
-    share_cpu_threads(world, device)
     x, y, source = load_data(cfg)
     x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
     (module,) = stage_modules(cfg, rank, x.shape[1], device)
@@ -319,22 +371,23 @@ def torch_rank(
     schedule = kind(stage, cfg.micro_batches, loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=0.9)
     steps = []
-    for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
-        dist.barrier(group=control)
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(x[rows])
-        elif rank == world - 1:
-            schedule.step(target=y[rows], losses=losses)
-        else:
-            schedule.step()
-        optimizer.step()
-        synchronize(device)
-        loss = torch.stack(losses).mean().item() if losses else float("nan")
-        steps.append({"step": step, "loss": loss, "step_s": time.perf_counter() - start})
-    return {"steps": steps, "source": source}
+    with PeakMemory(device) as memory:
+        for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
+            dist.barrier(group=control)
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            losses: list[torch.Tensor] = []
+            if rank == 0:
+                schedule.step(x[rows])
+            elif rank == world - 1:
+                schedule.step(target=y[rows], losses=losses)
+            else:
+                schedule.step()
+            optimizer.step()
+            synchronize(device)
+            loss = torch.stack(losses).mean().item() if losses else float("nan")
+            steps.append({"step": step, "loss": loss, "step_s": time.perf_counter() - start})
+    return {"steps": steps, "peak_memory_bytes": memory.peak, "source": source}
 
 
 def long_rank(
@@ -342,7 +395,6 @@ def long_rank(
 ) -> dict:
     """Peak memory and activations in flight at each micro-batch count (rows drawn with
     replacement, ``long_micro_batch_size`` per micro-batch)."""
-    share_cpu_threads(world, device)
     x, y, source = load_data(cfg)
     stage, optimizer = build_stage(cfg, rank, x.shape[1], device)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -376,21 +428,24 @@ def control_group(backend: str) -> Group:
 
 
 def rank_result(
-    rank: int, world: int, cfg: PipelineConfig, local_rank: int, control: Group
+    rank: int, world: int, cfg: PipelineConfig, local_rank: int, local_world: int, control: Group
 ) -> dict:
     """This rank's run. NCCL ranks take GPU ``local_rank % count``: round-robin, so 4 stages
-    on 2 GPUs put neighbouring stages on different GPUs."""
-    device = torch.device("cpu")
+    on 2 GPUs put neighbouring stages on different GPUs. CPU ranks take their share of this
+    host's cores (effdl.parallel.launch.share_cpu)."""
+    device, cores = torch.device("cpu"), ()
     if cfg.backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    else:
+        cores = share_cpu(local_rank, local_world, cfg.threads).cores
     entry = long_rank if cfg.long else torch_rank if cfg.compare_torch else train_rank
-    return entry(rank, world, cfg, device, control)
+    return {**entry(rank, world, cfg, device, control), "cpu_cores": list(cores)}
 
 
 def spawned_rank(rank: int, world: int, cfg: PipelineConfig) -> dict:
     """Entry of a rank started by :func:`spawn`."""
-    return rank_result(rank, world, cfg, rank, control_group(cfg.backend))
+    return rank_result(rank, world, cfg, rank, world, control_group(cfg.backend))
 
 
 def run_ranks(cfg: PipelineConfig) -> list[dict] | None:
@@ -402,7 +457,8 @@ def run_ranks(cfg: PipelineConfig) -> list[dict] | None:
     if world != cfg.stages:
         raise UsageError(f"torchrun started {world} processes for --stages {cfg.stages}")
     control = control_group(cfg.backend)
-    result = rank_result(rank, world, cfg, int(os.environ["LOCAL_RANK"]), control)
+    local = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    result = rank_result(rank, world, cfg, *local, control)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(result, gathered, dst=0, group=control)
     dist.destroy_process_group()
@@ -418,15 +474,17 @@ def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
     model = model.to(device, DTYPES[cfg.dtype])
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     steps = []
-    for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
-        loss.backward()
-        optimizer.step()
-        synchronize(device)
-        steps.append({"step": step, "loss": loss.item(), "step_s": time.perf_counter() - start})
-    return {"steps": steps, "source": source}
+    with PeakMemory(device) as memory:
+        for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
+            loss.backward()
+            optimizer.step()
+            synchronize(device)
+            step_s = time.perf_counter() - start
+            steps.append({"step": step, "loss": loss.item(), "step_s": step_s})
+    return {"steps": steps, "peak_memory_bytes": memory.peak, "source": source}
 
 
 # -- the run log ---------------------------------------------------------------------------
@@ -441,44 +499,115 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.reference:
         log_training(run, cfg, "reference", [reference_run(cfg, run.device)])
         return
+    if "LOCAL_RANK" not in os.environ:
+        # The ranks are forked from here, and a child forked after this process ran an
+        # OpenMP-parallel kernel hangs in its first one (libgomp's pool does not survive fork).
+        torch.set_num_threads(1)
     results = run_ranks(cfg)
     if run is None:
         return
     if cfg.long:
         log_long(run, cfg, results)
     elif cfg.compare_torch:
-        log_training(run, cfg, f"torch_{cfg.schedule}", results[-1:])  # the loss's rank
+        log_training(run, cfg, f"torch_{cfg.schedule}", results, loss_rank=-1)
     else:
         log_training(run, cfg, cfg.schedule, results)
 
 
-def log_training(run: Run, cfg: PipelineConfig, variant: str, results: list[dict]) -> None:
-    """One record per step (rank 0's loss and step time) and a summary."""
-    where = run.where
-    config = {**dataclasses.asdict(cfg), "data": results[0]["source"], "where": where}
-    for row in results[0]["steps"]:
+def run_config(run: Run, cfg: PipelineConfig, results: list[dict]) -> dict:
+    """Every flag of the run, the data, the host, and the CPU share of each rank."""
+    config = {**dataclasses.asdict(cfg), "data": results[0]["source"], "where": run.where}
+    if cfg.backend == "gloo" and not cfg.reference:
+        config |= {
+            "cores_available": available_cores(),
+            "threads_per_rank": cpu_threads(cfg.stages, cfg.threads),
+            "cores_per_rank": [r["cpu_cores"] for r in results],
+        }
+    return config
+
+
+def message_bytes(cfg: PipelineConfig) -> int:
+    """Size of one activation message: a micro-batch of ``hidden``-wide rows."""
+    return cfg.batch // cfg.micro_batches * cfg.hidden * DTYPES[cfg.dtype].itemsize
+
+
+def step_records(results: list[dict], loss_rank: int) -> list[dict]:
+    """Per step: the loss seen by ``loss_rank`` and the step time of the last rank to finish
+    (every rank starts a step at the same barrier, and the step is over when all are done)."""
+    return [
+        {**per_rank[loss_rank], "step_s": max(r["step_s"] for r in per_rank)}
+        for per_rank in zip(*(r["steps"] for r in results), strict=True)
+    ]
+
+
+def predicted_bubble(cfg: PipelineConfig, results: list[dict], messages: bool) -> float:
+    """The bubble the schedule leaves with the measured per-rank forward and backward times
+    (their imbalance, which the formula leaves out) and, if ``messages``, the measured time of
+    one message on every hop between ranks."""
+    forward = [r["forward_s"] for r in results]
+    backward = [r["backward_s"] for r in results]
+    makespan = simulate_seconds(
+        SCHEDULES[cfg.schedule],
+        cfg.stages,
+        cfg.micro_batches,
+        forward,
+        backward,
+        cfg.chunks,
+        results[0]["message_s"] if messages else 0.0,
+    )
+    per_action = statistics.fmean(f + b for f, b in zip(forward, backward, strict=True))
+    busy = cfg.micro_batches * cfg.chunks * per_action
+    return 1 - busy / makespan
+
+
+def log_training(
+    run: Run, cfg: PipelineConfig, variant: str, results: list[dict], loss_rank: int = 0
+) -> None:
+    """One record per step (loss, step time) and a summary over the last ``timed_steps``."""
+    config = run_config(run, cfg, results)
+    steps = step_records(results, loss_rank)
+    for row in steps:
         run.log.log(variant, config, row)
+    timed = steps[-cfg.timed_steps :]
     summary = {
-        "final_loss": results[0]["steps"][-1]["loss"],
-        "median_step_s": statistics.median(r["step_s"] for r in results[0]["steps"]),
+        "final_loss": steps[-1]["loss"],
+        "median_step_s": statistics.median(r["step_s"] for r in timed),
+        "timed_steps": len(timed),
+        "peak_memory_bytes": [r["peak_memory_bytes"] for r in results],
     }
     if variant in SCHEDULES:
-        timed = list(zip(*(r["busy_s"] for r in results), strict=True))
-        walls = list(zip(*(r["wall_s"] for r in results), strict=True))
-        measured = [measured_bubble_fraction(b, max(w)) for b, w in zip(timed, walls, strict=True)]
+        busy = list(zip(*(r["busy_s"] for r in results), strict=True))
+        walls = [max(w) for w in zip(*(r["wall_s"] for r in results), strict=True)]
+        measured = [measured_bubble_fraction(b, w) for b, w in zip(busy, walls, strict=True)]
         summary |= {
-            "bubble_measured": statistics.median(measured) if measured else None,
+            "bubble_measured": statistics.median(measured),
             "bubble_formula": bubble_fraction(cfg.stages, cfg.micro_batches, cfg.chunks),
+            "bubble_predicted": predicted_bubble(cfg, results, messages=False),
+            "bubble_predicted_with_messages": predicted_bubble(cfg, results, messages=True),
+            "bubble_measured_per_rank": [
+                statistics.median(1 - b / w for b, w in zip(r["busy_s"], walls, strict=True))
+                for r in results
+            ],
+            "forward_ms_per_micro_batch": [1e3 * r["forward_s"] for r in results],
+            "backward_ms_per_micro_batch": [1e3 * r["backward_s"] for r in results],
+            "message_ms": 1e3 * results[0]["message_s"],
+            "message_bytes": message_bytes(cfg),
+            "multiply_adds_per_row": [r["multiply_adds"] for r in results],
             "peak_in_flight": [r["peak_in_flight"] for r in results],
-            "peak_memory_bytes": [r["peak_memory_bytes"] for r in results],
         }
     run.log.log(f"{variant}_summary", config, summary)
-    print_table([summary], title=f"{variant}: {cfg.steps} steps on {config['data']}, {where}")
+    lists = [name for name, value in summary.items() if isinstance(value, list)]
+    per_rank = [
+        {"rank": k, **{name: summary[name][k] for name in lists}} for k in range(len(results))
+    ]
+    print_table(per_rank, title=f"{variant}: per rank")
+    shown = {k: v for k, v in summary.items() if k not in lists}
+    print_table([shown], title=f"{variant}: {cfg.steps} steps on {config['data']}, {run.where}")
 
 
 def log_long(run: Run, cfg: PipelineConfig, results: list[dict]) -> None:
     """One record per micro-batch count: every rank's peak memory and activations in flight."""
-    config = {**dataclasses.asdict(cfg), "data": results[0]["source"], "where": run.where}
+    config = run_config(run, cfg, results)
     rows = []
     for k, m in enumerate(cfg.long_micro_batches):
         per_rank = [r["counts"][k] for r in results]

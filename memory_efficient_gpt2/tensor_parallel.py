@@ -21,7 +21,9 @@ with Adam; the run logs each per-step loss curve, the test accuracy, the median 
 
 Without torchrun the ranks are local processes (effdl.parallel.launch.spawn; gloo on the CPU,
 or NCCL with one GPU per rank). Under torchrun every rank trains and rank 0 also trains the
-reference and writes the logs.
+reference and writes the logs. Each rank, and the reference in its own process, takes
+``--threads`` intra-op threads (default: an equal share of the cores, so every world size runs
+on the same CPU) and its own block of cores; the logs record the share.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ from effdl.parallel import (
     ParallelMLP,
     ParallelTransformerBlock,
     RowParallelLinear,
+    available_cores,
+    cpu_threads,
     init_from_env,
+    share_cpu,
     spawn,
 )
 from effdl.profiling.timing import RegionTimer, TimingStats
@@ -92,6 +97,7 @@ class TensorParallelConfig:
     bench_batch: int = 1024
     bench_width: tuple[int, ...] = (64, 512)  # MLP width -> 4 x width -> width
     bench_iters: int = 30
+    threads: int = 0  # intra-op threads per rank; 0: available cores // world size
 
     def validate(self) -> None:
         require_choices(self, "level", LEVELS)
@@ -100,7 +106,7 @@ class TensorParallelConfig:
         require_positive(self, "world_size", "steps", "batch", "hidden", "d_model", "heads")
         require_positive(self, "sweep_world", "bench_batch", "bench_width", "bench_iters")
         require_positive(self, "lr", minimum=0)
-        require_positive(self, "warmup", minimum=0)
+        require_positive(self, "warmup", "threads", minimum=0)
         if self.warmup >= self.steps:
             raise UsageError(f"--warmup {self.warmup} leaves no timed step of --steps {self.steps}")
         for world in (*self.world_size, *self.sweep_world):
@@ -147,6 +153,7 @@ def parse_args() -> tuple[argparse.Namespace, TensorParallelConfig]:
     flags.add("bench_batch", type=int, help="rows of the DTensor comparison's input")
     flags.add("bench_width", nargs="+", type=int)
     flags.add("bench_iters", type=int)
+    flags.add("threads", type=int, help="intra-op threads per rank; 0: cores // world size")
     args = p.parse_args()
     return args, flags.resolve(args)
 
@@ -258,9 +265,11 @@ def rank_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def use_cpu_share(world: int) -> None:
-    """Split the host's cores among the ranks, so world sizes are compared on the same CPU."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+def use_cpu_share(rank: int, world: int, cfg: TensorParallelConfig) -> None:
+    """Split this host's cores among its ranks (effdl.parallel.launch.share_cpu), so world sizes
+    are compared on the same CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    share_cpu(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), cfg.threads)
 
 
 def train_rank(
@@ -268,7 +277,7 @@ def train_rank(
 ) -> TrainResult:
     """One rank of a parallel run (for :func:`spawn`): the same data, seeds and batches as the
     reference, the model sharded."""
-    use_cpu_share(world)
+    use_cpu_share(rank, world, cfg)
     model = parallelize(level, reference_model(level, cfg, data.image_shape, seed))
     return train(model, data, cfg, seed, rank_device(cfg.backend))
 
@@ -293,7 +302,7 @@ def train_single(
 ) -> TrainResult:
     """The reference: the unsharded model on the same data, seeds and batches. The process-group
     arguments let :func:`spawn` run it (``world`` = 1; it communicates nothing)."""
-    use_cpu_share(1)
+    use_cpu_share(0, 1, cfg)
     model = reference_model(level, cfg, data.image_shape, seed)
     return train(model, data, cfg, seed, device)
 
@@ -325,14 +334,23 @@ def max_relative_gap(curve: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(curve, reference, strict=True))
 
 
+def cpu_config(world: int, cfg: TensorParallelConfig) -> dict:
+    """The CPU share of each rank of ``world`` (see :func:`use_cpu_share`)."""
+    return {
+        "cpu_cores": os.cpu_count(),
+        "cores_available": available_cores(),
+        "threads_per_rank": cpu_threads(world, cfg.threads),
+        "load_avg_1min": os.getloadavg()[0],  # other work on the host skews the CPU timings
+    }
+
+
 def run_config(level: str, world: int, cfg: TensorParallelConfig, source: str) -> dict:
     keys = ("steps", "batch", "lr", "hidden", "d_model", "heads", "warmup", "dtype", "backend")
     return {
         "level": level,
         "world_size": world,
         "data": source,
-        "cpu_cores": os.cpu_count(),
-        "load_avg_1min": os.getloadavg()[0],  # other work on the host skews the CPU timings
+        **cpu_config(world, cfg),
         **{k: getattr(cfg, k) for k in keys},
     }
 
@@ -359,7 +377,7 @@ def time_mlps(rank: int, world: int, cfg: TensorParallelConfig, seed: int) -> li
         parallelize_module,
     )
 
-    use_cpu_share(world)
+    use_cpu_share(rank, world, cfg)
     device = rank_device(cfg.backend)
     mesh = init_device_mesh(device.type, (world,))
     rows = []
@@ -482,7 +500,8 @@ def compare_dtensor(cfg, seed: int, run, leader: bool) -> None:
         for row in rows:
             config = {"world_size": world, "batch": cfg.bench_batch, "width": row["width"],
                       "hidden": 4 * row["width"], "dtype": cfg.dtype, "backend": cfg.backend,
-                      "iters": cfg.bench_iters, "warmup": cfg.warmup}  # fmt: skip
+                      "iters": cfg.bench_iters, "warmup": cfg.warmup,
+                      **cpu_config(world, cfg)}  # fmt: skip
             metrics = {k: v for k, v in row.items() if k not in ("impl", "width")}
             log.log(f"mlp_{row['impl']}", config, metrics)
             table.append({"world": world, "width": row["width"], "impl": row["impl"],

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from effdl.cli import run_main
-from effdl.parallel.pipeline import bubble_fraction
+from effdl.parallel.launch import cpu_threads
+from effdl.parallel.pipeline import bubble_fraction, split_sequential
 from effdl.results import read_records
 from tests.script_loading import ROOT, load_script
 
@@ -45,11 +46,27 @@ def test_quick_pipeline_curve_equals_the_single_process_curve(tmp_path):
     got, expected = losses(records, "1f1b"), losses(records, "reference")
     assert len(got) == len(expected) == pipeline_parallel.QUICK.steps
     assert got == pytest.approx(expected, rel=1e-5)  # float32, sums in another order
-    summary = next(r["metrics"] for r in records if r["variant"] == "1f1b_summary")
+    record = next(r for r in records if r["variant"] == "1f1b_summary")
+    summary = record["metrics"]
     assert summary["bubble_formula"] == pytest.approx(bubble_fraction(4, 8))
     assert 0 < summary["bubble_measured"] < 1
+    assert 0 < summary["bubble_predicted"] <= summary["bubble_predicted_with_messages"] < 1
+    assert summary["timed_steps"] == pipeline_parallel.QUICK.timed_steps
     assert summary["peak_in_flight"] == [4, 3, 2, 1]
     assert all(b > 0 for b in summary["peak_memory_bytes"])
+    per_rank = summary["forward_ms_per_micro_batch"] + summary["backward_ms_per_micro_batch"]
+    assert len(per_rank) == 8 and all(t > 0 for t in per_rank)
+    assert summary["message_ms"] > 0 and summary["message_bytes"] == 8 * 32 * 4
+    assert record["config"]["threads_per_rank"] == cpu_threads(4)
+    assert len(record["config"]["cores_per_rank"]) == 4
+
+
+def test_stages_of_the_model_do_equal_work():
+    """The formula assumes equal stage times: every block holds two hidden x hidden layers, the
+    input projection and the classifier add only features x hidden and hidden x classes."""
+    model = pipeline_parallel.build_model(64, 1024, 10, 4)
+    work = [pipeline_parallel.multiply_adds(piece) for piece in split_sequential(model, 4)]
+    assert work == [2 * 1024**2 + 64 * 1024, 2 * 1024**2, 2 * 1024**2, 2 * 1024**2 + 1024 * 10]
 
 
 def test_long_run_logs_each_micro_batch_count(tmp_path):
@@ -79,6 +96,8 @@ def test_torch_pipelining_reference_trains_the_same_curve(tmp_path):
         (["--schedule", "interleaved", "--micro-batches", "6", "--batch", "60"], "multiples"),
         (["--stages", "1"], "--stages must be >= 2"),
         (["--compare-torch", "--schedule", "interleaved"], "--compare-torch needs --schedule"),
+        (["--timed-steps", "12"], "--timed-steps 12 must be below --steps 12"),
+        (["--threads", "-1"], "--threads must be >= 0"),
     ],
 )
 def test_bad_flags_are_refused_in_one_line(tmp_path, monkeypatch, capsys, flags, message):

@@ -2,7 +2,15 @@
 pipeline parallelism (:mod:`effdl.parallel.pipeline`) and tensor parallelism
 (:mod:`effdl.parallel.tensor`)."""
 
-from effdl.parallel.launch import RankFailedError, init_from_env, spawn
+from effdl.parallel.launch import (
+    CpuShare,
+    RankFailedError,
+    available_cores,
+    cpu_threads,
+    init_from_env,
+    share_cpu,
+    spawn,
+)
 from effdl.parallel.pipeline import (
     SCHEDULES,
     Action,
@@ -30,6 +38,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "ColumnParallelLinear",
+    "CpuShare",
     "ParallelLayerNorm",
     "ParallelMLP",
     "ParallelSelfAttention",
@@ -37,14 +46,17 @@ __all__ = [
     "PipelineStage",
     "RankFailedError",
     "RowParallelLinear",
+    "available_cores",
     "bubble_fraction",
     "copy_to_parallel",
+    "cpu_threads",
     "gather_from_parallel",
     "gpipe_schedule",
     "init_from_env",
     "interleaved_schedule",
     "one_f_one_b_schedule",
     "reduce_from_parallel",
+    "share_cpu",
     "spawn",
     "split_sequential",
     "split_to_parallel",

@@ -3,6 +3,7 @@ CPU experiments with gloo), ``init_from_env`` joins the group that ``torchrun`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -10,6 +11,8 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -168,6 +171,55 @@ def _run_once(
             for p in processes:
                 p.join()
     return outcome
+
+
+def available_cores() -> int:
+    """CPUs this process may run on: its affinity set, capped by a cgroup v2 CPU quota (a
+    container's ``cpu.max``); ``os.cpu_count()`` counts the host's CPUs and ignores both."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota to honour
+    return cores or 1
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """The CPU a local rank was given by :func:`share_cpu`."""
+
+    threads: int  # intra-op threads (torch.set_num_threads)
+    cores: tuple[int, ...]  # CPUs all its threads are pinned to; empty when not pinned
+
+
+def cpu_threads(world: int, threads: int = 0) -> int:
+    """Intra-op threads per rank of ``world`` local ranks: ``threads``, or when 0 an equal share
+    of :func:`available_cores` (at least 1)."""
+    return threads or max(1, available_cores() // world)
+
+
+def share_cpu(local_rank: int, world: int, threads: int = 0) -> CpuShare:
+    """Give local rank ``local_rank`` of ``world`` processes on this host its own part of the
+    CPU: :func:`cpu_threads` intra-op threads and, where the affinity set holds ``world``
+    blocks of ``available_cores() // world`` CPUs and the threads fit in one, affinity to the
+    ``local_rank``-th block for every thread of the process (communication threads included),
+    so ranks neither oversubscribe the cores nor run on each other's. Threads below the block
+    size leave cores for communication. Call it in the rank's process before its first parallel
+    kernel (the OpenMP threads it starts then inherit the affinity). Mutates the process's
+    thread count and CPU affinity."""
+    n = cpu_threads(world, threads)
+    torch.set_num_threads(n)
+    block = max(1, available_cores() // world)
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    if n > block or len(allowed) < world * block:
+        return CpuShare(n, ())
+    cores = tuple(allowed[local_rank * block : (local_rank + 1) * block])
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.sched_setaffinity(int(task), cores)
+    return CpuShare(n, cores)
 
 
 def init_from_env(backend: str | None = None) -> torch.device:

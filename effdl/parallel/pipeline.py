@@ -143,12 +143,7 @@ def simulate(schedule: Schedule, stages: int, micro_batches: int, chunks: int = 
                 continue
             a = actions[position[r]]
             g = a.chunk * stages + r
-            if a.kind == FORWARD:
-                needs = [] if g == 0 else [(FORWARD, a.micro_batch, g - 1)]
-            else:
-                needs = [(FORWARD, a.micro_batch, g)]
-                needs += [] if g == last else [(BACKWARD, a.micro_batch, g + 1)]
-            if all(n in done for n in needs):
+            if all(n in done for n in _needs(a, g, last)):
                 ready.append((r, (a.kind, a.micro_batch, g)))
         if not ready:
             stuck = {r: lists[r][position[r]] for r in range(stages) if position[r] < len(lists[r])}
@@ -158,6 +153,55 @@ def simulate(schedule: Schedule, stages: int, micro_batches: int, chunks: int = 
             position[r] += 1
         rounds += 1
     return rounds
+
+
+def _needs(action: Action, stage: int, last: int) -> list[tuple[str, int, int]]:
+    """What ``action`` on global stage ``stage`` waits for, as (kind, micro-batch, stage): a
+    forward the previous stage's forward, a backward its own forward and the next stage's
+    backward."""
+    if action.kind == FORWARD:
+        return [] if stage == 0 else [(FORWARD, action.micro_batch, stage - 1)]
+    needs = [(FORWARD, action.micro_batch, stage)]
+    return needs + ([] if stage == last else [(BACKWARD, action.micro_batch, stage + 1)])
+
+
+def simulate_seconds(
+    schedule: Schedule,
+    stages: int,
+    micro_batches: int,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    chunks: int = 1,
+    message_s: float = 0.0,
+) -> float:
+    """The makespan (seconds) of one step when each forward on rank ``r`` takes
+    ``forward_s[r]``, each backward ``backward_s[r]`` (per chunk), and every message between
+    ranks ``message_s``; each rank runs its actions in order, as soon as their inputs are there.
+    With equal times and free messages the idle share ``1 - busy / makespan`` is
+    :func:`bubble_fraction`; measured stage times give the bubble to expect from their
+    imbalance. Raises RuntimeError on a deadlock, like :func:`simulate`."""
+    lists = [schedule(stages, micro_batches, r, chunks) for r in range(stages)]
+    last = stages * chunks - 1
+    end: dict[tuple[str, int, int], float] = {}
+    position, free = [0] * stages, [0.0] * stages
+    while any(p < len(a) for p, a in zip(position, lists, strict=True)):
+        progressed = False
+        for r, actions in enumerate(lists):
+            while position[r] < len(actions):
+                a = actions[position[r]]
+                g = a.chunk * stages + r
+                needs = _needs(a, g, last)
+                if not all(n in end for n in needs):
+                    break
+                arrivals = [end[n] + (message_s if n[2] != g else 0.0) for n in needs]
+                took = forward_s[r] if a.kind == FORWARD else backward_s[r]
+                free[r] = end[(a.kind, a.micro_batch, g)] = max([free[r], *arrivals]) + took
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: lists[r][position[r]] for r in range(stages) if position[r] < len(lists[r])}
+            raise RuntimeError(f"schedule deadlocks; next actions by rank: {stuck}")
+    return max(free)
 
 
 @dataclass

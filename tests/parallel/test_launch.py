@@ -1,7 +1,9 @@
-"""spawn: forked ranks after the parent ran multi-threaded ops; rendezvous retried, failures not."""
+"""spawn: forked ranks after the parent ran multi-threaded ops; rendezvous retried, failures not.
+share_cpu: each local rank its threads and its own block of cores."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from effdl.parallel.launch import RankFailedError, spawn
+from effdl.parallel import launch
+from effdl.parallel.launch import (
+    CpuShare,
+    RankFailedError,
+    available_cores,
+    cpu_threads,
+    share_cpu,
+    spawn,
+)
 from tests.script_loading import ROOT
 
 PARENT_THEN_RANKS = textwrap.dedent(
@@ -73,3 +83,39 @@ def test_a_failure_inside_fn_is_not_retried(tmp_path) -> None:
     with pytest.raises(RankFailedError, match="boom"):
         spawn(_fails_in_fn, 2, str(marker))
     assert sorted(marker.read_text().split()) == ["0", "1"]  # one attempt per rank
+
+
+def _share_and_affinity(rank: int, world: int) -> tuple[CpuShare, list[int], int]:
+    share = share_cpu(rank, world, threads=1)
+    return share, sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_share_cpu_pins_each_rank_to_its_own_block_of_cores() -> None:
+    world = 2
+    block = available_cores() // world
+    if block < 1:
+        pytest.skip("fewer cores than ranks")
+    shares = spawn(_share_and_affinity, world)
+    for share, affinity, threads in shares:
+        assert share.threads == threads == 1
+        assert len(share.cores) == block and list(share.cores) == affinity
+    assert not set(shares[0][0].cores) & set(shares[1][0].cores)
+
+
+def test_cpu_threads_is_the_flag_or_an_equal_share() -> None:
+    assert cpu_threads(4, threads=3) == 3
+    assert cpu_threads(4) == max(1, available_cores() // 4)
+    assert cpu_threads(10**6) == 1
+
+
+def test_available_cores_honours_a_cgroup_quota(monkeypatch) -> None:
+    class Quota:  # cpu.max of a container limited to 1.5 CPUs
+        def __init__(self, path: str) -> None:
+            assert path == "/sys/fs/cgroup/cpu.max"
+
+        def read_text(self) -> str:
+            return "150000 100000\n"
+
+    monkeypatch.setattr(launch, "Path", Quota)
+    assert available_cores() == 1

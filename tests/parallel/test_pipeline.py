@@ -5,7 +5,8 @@ in one process on the whole batch; the pipeline's stages are consecutive pieces 
 copy. After each optimizer step every rank's parameters must equal the reference's pieces to
 float64 rounding (micro-batch gradients are summed in another order). The schedules themselves
 are checked without processes: action counts and order, the data dependencies (``simulate``),
-the activations held in flight, and the bubble against the closed-form fraction.
+the activations held in flight, and the bubble against the closed-form fraction (lock-step and
+timed simulations).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from effdl.parallel.pipeline import (
     interleaved_schedule,
     one_f_one_b_schedule,
     simulate,
+    simulate_seconds,
     split_sequential,
 )
 
@@ -82,6 +84,38 @@ def test_simulated_bubble_equals_the_formula(name, chunks, stages, micro_batches
     assert 1 - busy / rounds == pytest.approx(bubble_fraction(stages, micro_batches, chunks))
 
 
+@pytest.mark.parametrize(
+    "name, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
+)
+@pytest.mark.parametrize("stages, micro_batches", [(4, 4), (4, 16), (2, 6)])
+@pytest.mark.parametrize("forward, backward", [(1.0, 1.0), (1.0, 2.0), (0.3, 0.7)])
+def test_timed_simulation_with_equal_stages_gives_the_formula(
+    name, chunks, stages, micro_batches, forward, backward
+):
+    """Equal stage times and free messages: the idle share is the formula's, whatever the
+    forward and backward times."""
+    makespan = simulate_seconds(
+        SCHEDULES[name], stages, micro_batches, [forward] * stages, [backward] * stages, chunks
+    )
+    busy = micro_batches * chunks * (forward + backward)
+    assert 1 - busy / makespan == pytest.approx(bubble_fraction(stages, micro_batches, chunks))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_timed_simulation_of_unequal_stages_and_messages(name):
+    """S = 2, m = 2, rank 1 twice as slow, 0.5 per message, by hand: rank 1's forwards end at
+    1.5 + 2 and 3.5 + 2 (GPipe) or its first backward at 3.5 + 4 (1F1B); its last backward ends
+    at 13.5 either way, and rank 0's, which waits for it, at 13.5 + 0.5 + 2 = 16."""
+    assert simulate_seconds(SCHEDULES[name], 2, 2, (1, 2), (2, 4), message_s=0.5) == 16.0
+
+
+def test_timed_simulation_of_gpipe_with_a_slower_last_stage():
+    """GPipe, S = 2, m = 8: the slower rank 1 paces both phases, so the step lasts
+    F0 + 8 F1 + 8 B1 + B0."""
+    makespan = simulate_seconds(SCHEDULES["gpipe"], 2, 8, (5.0, 6.0), (17.0, 19.0))
+    assert makespan == pytest.approx(5 + 8 * 6 + 8 * 19 + 17)
+
+
 def test_bubble_fraction_formula():
     assert bubble_fraction(4, 1) == pytest.approx(3 / 4)
     assert bubble_fraction(4, 29) == pytest.approx(0.09375)
@@ -95,6 +129,8 @@ def test_simulate_reports_a_deadlock():
 
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(backwards_first, 4, 4)
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        simulate_seconds(backwards_first, 4, 4, [1.0] * 4, [1.0] * 4)
 
 
 def test_schedules_refuse_what_they_cannot_run():
