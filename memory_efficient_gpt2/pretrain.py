@@ -68,6 +68,7 @@ from effdl.data.stdlib_text import DEFAULT_CACHE, TrainingText, stdlib_training_
 from effdl.data.token_streams import next_token_entropies, text_stream
 from effdl.models.gpt2 import (
     SHAPES,
+    backward_micro_batches,
     build_gpt2,
     checkpoint_blocks,
     count_params,
@@ -246,13 +247,12 @@ def train_step(
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    n_micro = cfg.batch // cfg.micro_batch
-    losses = []
-    for mb in batch.split(cfg.micro_batch):
+
+    def loss_of(ids: torch.Tensor) -> torch.Tensor:
         with amp_context(device):
-            loss = lm_loss(model, mb.to(device, non_blocking=True), cfg.chunk_tokens) / n_micro
-        loss.backward()
-        losses.append(loss.detach())
+            return lm_loss(model, ids, cfg.chunk_tokens)
+
+    losses = backward_micro_batches(loss_of, batch, cfg.micro_batch, device)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     for group in opt.param_groups:
         group["lr"] = lr

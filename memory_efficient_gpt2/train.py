@@ -77,6 +77,7 @@ from effdl.data.stdlib_text import DEFAULT_CACHE, stdlib_training_text
 from effdl.data.token_streams import step_batches, synthetic_stream, text_stream
 from effdl.models.gpt2 import (
     SHAPES,
+    backward_micro_batches,
     build_gpt2,
     checkpoint_blocks,
     count_params,
@@ -921,13 +922,8 @@ def plain_step(
     """One step of an optimizer that steps after backward (torch's AdamW, torchao's offload):
     the same micro-batches as :func:`train_step`, gradients summed in ``.grad``, then
     ``opt.step()`` at ``lr``; :func:`step_metrics`."""
-    n_micro = cfg.batch // cfg.micro_batch
     t0 = start_step(device)
-    losses = []
-    for mb in batch.split(cfg.micro_batch):
-        loss = loss_of(mb.to(device, non_blocking=True)) / n_micro
-        loss.backward()
-        losses.append(loss.detach())
+    losses = backward_micro_batches(loss_of, batch, cfg.micro_batch, device)
     set_lr(opt, lr)
     opt.step()
     opt.zero_grad(set_to_none=True)

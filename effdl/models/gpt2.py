@@ -19,7 +19,7 @@ import functools
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,23 @@ def lm_loss(model: torch.nn.Module, input_ids: Tensor, chunk_tokens: int = 1024)
         input_ids[:, 1:].reshape(-1),
         chunk_tokens,
     )
+
+
+def backward_micro_batches(
+    loss_of: Callable[[Tensor], Tensor], batch: Tensor, micro_batch: int, device: torch.device
+) -> list[Tensor]:
+    """Backward of ``loss_of`` on each ``micro_batch`` rows of ``batch`` (moved to ``device``;
+    ``len(batch)`` a multiple of ``micro_batch``), each loss divided by the number of
+    micro-batches, so the gradients summed in ``.grad`` are those of the whole batch's mean
+    loss; returns those scaled losses, detached (their sum is the batch's loss; nothing is read
+    back to the host)."""
+    n_micro = len(batch) // micro_batch
+    losses = []
+    for mb in batch.split(micro_batch):
+        loss = loss_of(mb.to(device, non_blocking=True)) / n_micro
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
 
 
 def save_gpt2_folder(

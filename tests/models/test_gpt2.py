@@ -108,3 +108,23 @@ def test_an_interrupted_save_leaves_no_folder(tmp_path, monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         save_gpt2_folder(model, tmp_path / "model")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_backward_micro_batches_gives_the_whole_batch_gradients() -> None:
+    """Gradients and loss summed over micro-batches equal one backward of the mean loss over
+    the whole batch."""
+    from effdl.models.gpt2 import backward_micro_batches
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 1).double()
+    batch = torch.randn(6, 4, dtype=torch.float64)
+    loss_of = lambda x: lin(x).pow(2).mean()  # noqa: E731
+    losses = backward_micro_batches(loss_of, batch, 2, torch.device("cpu"))
+    got = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad()
+    expected_loss = loss_of(batch)
+    expected_loss.backward()
+    torch.testing.assert_close(torch.stack(losses).sum(), expected_loss.detach())
+    for g, p in zip(got, lin.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad)
+    assert len(losses) == 3
