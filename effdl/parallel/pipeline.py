@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from effdl.profiling.timeline import Timeline
+
 Group = dist.ProcessGroup | None
 Schedule = Callable[[int, int, int, int], list["Action"]]
 
@@ -220,7 +222,7 @@ class RunStats:
     loss: float = float("nan")
     peak_in_flight: int = 0  # most micro-batches with forward done and backward not yet
     peak_pending_sends: int = 0  # most sends posted and not yet known to be received
-    wall_s: float = 0.0  # from the start of the run until every send of this rank completed
+    wall_s: float = 0.0  # from the start of the run until every send and kernel completed
     timings: list[ActionTiming] = field(default_factory=list)
 
     @property
@@ -401,7 +403,9 @@ class PipelineStage:
         stage; both are split into ``micro_batches`` equal parts along dim 0. Gradients are
         *added* to the parameters' ``.grad`` (zero them before, step the optimizer after, as
         with ``loss.backward()``). Returns the batch's mean loss (float64 scalar) on every rank.
-        ``record_timings`` synchronizes CUDA around each action, for :attr:`last_stats`.
+        ``record_timings`` times each action's compute for :attr:`last_stats` (CUDA timing
+        events on the current stream, so the GPU is not synchronized and the step keeps its
+        speed; ``perf_counter`` on the CPU).
         """
         if isinstance(schedule, str):
             schedule = SCHEDULES[schedule]
@@ -422,7 +426,8 @@ class PipelineStage:
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         start = time.perf_counter()
-        for action in actions:
+        timeline = Timeline(self.device.type == "cuda", enabled=record_timings)
+        for index, action in enumerate(actions):
             key, stage = (action.chunk, action.micro_batch), self._stage(action.chunk)
             if action.kind == FORWARD:
                 if stage == 0:
@@ -430,12 +435,13 @@ class PipelineStage:
                 else:
                     x = self._recv_activation(action.chunk)
                     self._confirm_gradients(action, prev_position)
-                t0 = self._clock(record_timings)
+                t0 = timeline.mark()
                 out = self.chunks[action.chunk](x)
                 if stage == last:
                     out = self.loss_fn(out, targets[action.micro_batch]) / micro_batches
                     loss_sum += out.detach()
-                else:
+                timeline.add(FORWARD, index, t0, timeline.mark())
+                if stage != last:
                     self._send_activation(out.detach(), action.chunk, (FORWARD, *key))
                 saved[key] = (x, out)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
@@ -447,16 +453,21 @@ class PipelineStage:
                     nxt = (self.rank + 1) % self.world
                     self._recv(grad, nxt, self._grad_groups[nxt])
                     self._confirm((FORWARD, *key))  # the next stage used the activation
-                t0 = self._clock(record_timings)
+                t0 = timeline.mark()
                 torch.autograd.backward(out, grad)
+                timeline.add(BACKWARD, index, t0, timeline.mark())
                 if stage != 0:
                     prev = (self.rank - 1) % self.world
                     self._send(x.grad, prev, self._grad_groups[self.rank], (BACKWARD, *key))
-            if record_timings:
-                stats.timings.append(ActionTiming(action, t0 - start, self._clock(True) - start))
         self._relay_loss(loss_sum)
         self._wait_all_sends()
-        stats.wall_s = self._clock(record_timings) - start
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stats.wall_s = time.perf_counter() - start
+        stats.timings = [
+            ActionTiming(actions[span["index"]], span["start_s"], span["end_s"])
+            for span in timeline.spans()
+        ]
         stats.loss = loss_sum.item()
         self.last_stats = stats
         return loss_sum
@@ -467,8 +478,3 @@ class PipelineStage:
         if x.shape[0] % parts:
             raise ValueError(f"{name} of {x.shape[0]} rows does not split into {parts} equal parts")
         return list(x.to(self.device).chunk(parts))
-
-    def _clock(self, sync: bool) -> float:
-        if sync and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()

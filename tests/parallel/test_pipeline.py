@@ -191,8 +191,9 @@ def train_against_reference(
     device: str = "cpu",
 ) -> dict:
     """Two optimizer steps through the pipeline and in one process; this rank's parameters of
-    both, the losses of both, and the peak activations held in flight per step. On CUDA, rank
-    ``r`` uses GPU ``r % count`` (neighbouring stages on different GPUs)."""
+    both, the losses of both, the peak activations held in flight per step, and the recorded
+    action timings of the last step. On CUDA, rank ``r`` uses GPU ``r % count`` (neighbouring
+    stages on different GPUs)."""
     single_threaded()
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
@@ -211,10 +212,12 @@ def train_against_reference(
         loss.backward()
         reference_opt.step()
         opt.zero_grad()
-        out["loss"].append(stage.run(x, y, micro_batches, schedule).item())
+        out["loss"].append(stage.run(x, y, micro_batches, schedule, record_timings=True).item())
         opt.step()
         out["reference_loss"].append(loss.item())
         out["peak"].append(stage.last_stats.peak_in_flight)
+    stats = stage.last_stats
+    out["timings"] = [(t.action, t.start_s, t.end_s) for t in stats.timings], stats.wall_s
     reference_pieces = split_sequential(reference, world * chunks)
     out["params"] = [p.detach().cpu() for piece in mine for p in piece.parameters()]
     out["reference_params"] = [
@@ -223,6 +226,16 @@ def train_against_reference(
         for p in reference_pieces[c * world + rank].parameters()
     ]
     return out
+
+
+def assert_timings_follow(timings: tuple[list, float], actions: list) -> None:
+    """One compute span per action, in the schedule's order, inside the run's wall time."""
+    spans, wall_s = timings
+    assert [action for action, _, _ in spans] == actions
+    ends = [0.0]
+    for _, start, end in spans:
+        assert ends[-1] <= start <= end <= wall_s
+        ends.append(end)
 
 
 @pytest.mark.parametrize(
@@ -238,6 +251,7 @@ def test_training_steps_equal_single_process_training(schedule, chunks, micro_ba
         assert got["loss"] == pytest.approx(got["reference_loss"], rel=1e-12)
         actions = SCHEDULES[schedule](STAGES, micro_batches, rank, chunks)
         assert got["peak"] == [peak_in_flight(actions)] * 2
+        assert_timings_follow(got["timings"], actions)
     peaks = [got["peak"][0] for got in results]
     if schedule == "gpipe":
         assert peaks == [micro_batches] * STAGES
@@ -275,6 +289,7 @@ def test_nccl_four_stages_on_shared_gpus_equal_single_process_training(schedule,
         for p, q in zip(got["params"], got["reference_params"], strict=True):
             torch.testing.assert_close(p, q, **F64_TOL, msg=f"rank {rank}")
         assert got["loss"] == pytest.approx(got["reference_loss"], rel=1e-12)
+        assert_timings_follow(got["timings"], SCHEDULES[schedule](STAGES, 8, rank, chunks))
 
 
 def refusals(rank: int, world: int) -> list[str]:

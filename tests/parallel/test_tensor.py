@@ -91,7 +91,7 @@ def run(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x)
     if isinstance(model, ParallelTransformerBlock):
         return model(x, is_causal=True)
-    mask = nn.Transformer.generate_square_subsequent_mask(SEQ, dtype=x.dtype)
+    mask = nn.Transformer.generate_square_subsequent_mask(SEQ, device=x.device, dtype=x.dtype)
     return model(x, src_mask=mask, is_causal=True)
 
 
@@ -106,7 +106,7 @@ def expected_shard(name: str, full: torch.Tensor, local: torch.Tensor, rank: int
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
-    weights = torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)
+    weights = torch.linspace(-1, 2, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
     return (out * weights).sum() + out.pow(2).mean()
 
 
