@@ -18,9 +18,11 @@ measures achieved bandwidth.
 
 Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
 backward runs enough programs to fill every SM's warp slots, each over a contiguous block of rows,
-writing dx row by row and keeping its share of dw and db in fp32 registers; the per-program
-partials (``programs x N``, fp32) are summed by ``torch.sum``: no atomics, so results do not
-depend on scheduling. Inputs and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of
+writing dx row by row and keeping its share of dw and db in fp32 registers; a third kernel sums
+the per-program partials (``programs x N``, fp32) in a fixed order and rounds them once to the
+parameters' dtype: no atomics, so results do not depend on scheduling. Few launches and no
+intermediate torch ops matter at small shapes, where an eager step costs more host time than
+GPU time. Inputs and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of
 different ones); every sum is fp32 and each output is rounded once, on store.
 
 The PyTorch path computes the same formulas with torch ops in fp32 (float64 for float64 input).
@@ -51,6 +53,7 @@ MAX_TRITON_WIDTH = 16384  # elements of one row kept in registers by one program
 WARPS_PER_SM = 64  # an SM's resident warps (Hopper, Ampere): the backward launches enough
 # programs to fill them, so each SM has rows in flight while others wait on memory
 INTERPRETER_PROGRAMS = 4  # backward programs off CUDA (the Triton interpreter)
+SUM_BLOCK_P, SUM_BLOCK_N = 32, 128  # the partial-sum kernel's tile: programs x columns
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -58,7 +61,7 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, x_stride, y_stride, n, eps,
+        x_ptr, y_ptr, w_ptr, b_ptr, stats_ptr, x_stride, y_stride, m, n, eps,
         HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
@@ -74,12 +77,12 @@ if triton is not None:
         if HAS_B:
             y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * y_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(mean_ptr + row, mean)
-        tl.store(rstd_ptr + row, rstd)
+        tl.store(stats_ptr + row, mean)
+        tl.store(stats_ptr + m + row, rstd)
 
     @triton.jit
     def _backward_kernel(
-        x_ptr, dy_ptr, dx_ptr, w_ptr, mean_ptr, rstd_ptr, dw_ptr, db_ptr,
+        x_ptr, dy_ptr, dx_ptr, w_ptr, stats_ptr, partial_ptr,
         x_stride, dy_stride, dx_stride, m, n, rows_per_program,
         HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
@@ -95,22 +98,43 @@ if triton is not None:
         for row in range(first, last):
             x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            xhat = tl.where(mask, (x - tl.load(mean_ptr + row)) * tl.load(rstd_ptr + row), 0.0)
+            mean = tl.load(stats_ptr + row)
+            rstd = tl.load(stats_ptr + m + row)
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
             g = dy
             if HAS_W:
                 g = dy * w
             c_xhat = tl.sum(g * xhat, axis=0) / n
             c_mean = tl.sum(g, axis=0) / n
-            dx = (g - c_mean - xhat * c_xhat) * tl.load(rstd_ptr + row)
+            dx = (g - c_mean - xhat * c_xhat) * rstd
             tl.store(dx_ptr + row * dx_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if WANT_DW:
                 dw += dy * xhat
             if WANT_DB:
                 db += dy
+        # partials: (parts, programs, n), dw's part first when both are wanted
         if WANT_DW:
-            tl.store(dw_ptr + pid * n + cols, dw, mask=mask)
+            tl.store(partial_ptr + pid * n + cols, dw, mask=mask)
         if WANT_DB:
+            db_ptr = partial_ptr + WANT_DW * tl.num_programs(0) * n
             tl.store(db_ptr + pid * n + cols, db, mask=mask)
+
+    @triton.jit
+    def _sum_partials_kernel(
+        partial_ptr, out_ptr, programs, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        """out[k, cols] = sum over programs of partial[k, :, cols], in a fixed order, rounded
+        once to out's dtype; one program per (column block, part)."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        part = tl.program_id(1).to(tl.int64)
+        base = partial_ptr + part * programs * n
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        for start in range(0, programs, BLOCK_P):
+            rows = start + tl.arange(0, BLOCK_P)
+            mask = (rows[:, None] < programs) & (cols[None, :] < n)
+            acc += tl.load(base + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
+        total = tl.sum(acc, axis=0)
+        tl.store(out_ptr + part * n + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n)
 
 
 def uses_triton(x: torch.Tensor, width: int) -> bool:
@@ -159,34 +183,38 @@ def _triton_forward(x, weight, bias, eps):
     block = triton.next_power_of_2(n)
     _forward_kernel[(m,)](
         x, y, weight if weight is not None else x, bias if bias is not None else x,
-        stats[0], stats[1], x.stride(0), y.stride(0), n, eps,
+        stats, x.stride(0), y.stride(0), m, n, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
-    return y, stats[0], stats[1]
+    return y, stats
 
 
-def _triton_backward(dy, x, weight, mean, rstd, dw_dtype, db_dtype):
+def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
     m, n = x.shape
     want_dw, want_db = dw_dtype is not None, db_dtype is not None
     dx = torch.empty_like(x)
     block = triton.next_power_of_2(n)
     programs = _backward_programs(m, block, x.device)
-    partial = torch.empty(
-        (2 if want_dw and want_db else 1, programs, n), device=x.device, dtype=torch.float32
-    )
+    parts = int(want_dw) + int(want_db)
+    partial = torch.empty((max(parts, 1), programs, n), device=x.device, dtype=torch.float32)
     _backward_kernel[(programs,)](
-        x, dy, dx, weight if weight is not None else x, mean, rstd, partial[0],
-        partial[-1], x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
+        x, dy, dx, weight if weight is not None else x, stats, partial,
+        x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
         HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
         BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
-    if not (want_dw or want_db):
+    if not parts:
         return dx, None, None
-    sums = partial.sum(1)  # one launch for both
-    if dw_dtype == db_dtype or not (want_dw and want_db):
-        sums = sums.to(dw_dtype or db_dtype)  # one cast for both
-        return dx, sums[0] if want_dw else None, sums[-1] if want_db else None
-    return dx, sums[0].to(dw_dtype), sums[1].to(db_dtype)
+    same = parts == 1 or dw_dtype == db_dtype
+    out_dtype = (dw_dtype or db_dtype) if same else torch.float32
+    sums = torch.empty((parts, n), device=x.device, dtype=out_dtype)
+    _sum_partials_kernel[(triton.cdiv(n, SUM_BLOCK_N), parts)](
+        partial, sums, programs, n, BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N
+    )
+    dw, db = (sums[0] if want_dw else None), (sums[-1] if want_db else None)
+    if not same:
+        dw, db = dw.to(dw_dtype), db.to(db_dtype)
+    return dx, dw, db
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -194,6 +222,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _torch_forward(x, weight, bias, eps):
+    """``y`` and the ``(2, M)`` stats (mean, rstd) in the compute dtype."""
     xf = x.to(_compute_dtype(x))
     mean = xf.mean(-1)
     xc = xf - mean[:, None]
@@ -203,11 +232,12 @@ def _torch_forward(x, weight, bias, eps):
         y = y * weight
     if bias is not None:
         y = y + bias
-    return y.to(x.dtype), mean, rstd
+    return y.to(x.dtype), torch.stack((mean, rstd))
 
 
-def _torch_backward(dy, x, weight, mean, rstd, dw_dtype, db_dtype):
+def _torch_backward(dy, x, weight, stats, dw_dtype, db_dtype):
     cdt = _compute_dtype(x)
+    mean, rstd = stats
     dyf = dy.to(cdt)
     xhat = (x.to(cdt) - mean[:, None]) * rstd[:, None]
     g = dyf * weight.to(cdt) if weight is not None else dyf
@@ -221,7 +251,8 @@ class FusedLayerNormFunction(torch.autograd.Function):
     """Autograd Function over ``(M, N)`` rows: ``apply(x, weight, bias, eps, use_triton)``.
 
     ``x`` has unit column stride; ``weight``, ``bias`` are ``(N,)`` or None. Saves ``x``,
-    ``weight`` and the fp32 (float64 for float64 input) per-row ``mean`` and ``rstd``;
+    ``weight`` and the fp32 (float64 for float64 input) per-row ``mean`` and ``rstd`` as one
+    ``(2, M)`` tensor;
     ``use_triton`` picks the kernels or the PyTorch path for both passes. Gradients come back
     in their inputs' dtypes.
     """
@@ -229,8 +260,8 @@ class FusedLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, use_triton):
         forward = _triton_forward if use_triton else _torch_forward
-        y, mean, rstd = forward(x, weight, bias, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
+        y, stats = forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, stats)
         ctx.use_triton = use_triton
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
@@ -238,14 +269,12 @@ class FusedLayerNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, stats = ctx.saved_tensors
         _, want_dw, want_db, _, _ = ctx.needs_input_grad
         backward = _triton_backward if ctx.use_triton else _torch_backward
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         dw_dtype = weight.dtype if want_dw else None
-        dx, dw, db = backward(
-            dy, x, weight, mean, rstd, dw_dtype, ctx.bias_dtype if want_db else None
-        )
+        dx, dw, db = backward(dy, x, weight, stats, dw_dtype, ctx.bias_dtype if want_db else None)
         return dx, dw, db, None, None
 
 
