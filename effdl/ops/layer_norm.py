@@ -17,7 +17,8 @@ forward reads x and writes y (2 passes), the backward reads x and dy and writes 
 measures achieved bandwidth.
 
 Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
-backward runs enough programs to fill every SM's warp slots, each over a contiguous block of rows,
+backward runs a few programs per SM (enough rows in flight, few partials), each over a contiguous
+block of rows,
 writing dx row by row and keeping its share of dw and db in fp32 registers; a third kernel sums
 the per-program partials (``programs x N``, fp32) in a fixed order and rounds them once to the
 parameters' dtype: no atomics, so results do not depend on scheduling. Few launches and no
@@ -50,10 +51,10 @@ except ImportError:  # CPU-only installs: the PyTorch path serves every input
     triton = None
 
 MAX_TRITON_WIDTH = 16384  # elements of one row kept in registers by one program
-WARPS_PER_SM = 64  # an SM's resident warps (Hopper, Ampere): the backward launches enough
-# programs to fill them, so each SM has rows in flight while others wait on memory
+PROGRAMS_PER_SM = 4  # backward programs per SM: rows in flight on every SM while keeping the
+# dw/db partials (programs x N) small; 4 was the fastest or near it across the benchmark's shapes
 INTERPRETER_PROGRAMS = 4  # backward programs off CUDA (the Triton interpreter)
-SUM_BLOCK_P, SUM_BLOCK_N = 32, 128  # the partial-sum kernel's tile: programs x columns
+SUM_BLOCK_P, SUM_BLOCK_N = 64, 32  # the partial-sum kernel's tile: programs x columns
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -160,13 +161,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _backward_programs(rows: int, width_block: int, device: torch.device) -> int:
-    """Programs of the backward: enough to fill every SM's warp slots (narrow rows use few
-    warps, so more programs), never more than the rows."""
+def _backward_programs(rows: int, device: torch.device) -> int:
+    """Programs of the backward: :data:`PROGRAMS_PER_SM` on every SM, never more than the
+    rows."""
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        per_sm = max(1, WARPS_PER_SM // _num_warps(width_block))
-        return max(1, min(rows, per_sm * sms))
+        return max(1, min(rows, PROGRAMS_PER_SM * sms))
     return max(1, min(rows, INTERPRETER_PROGRAMS))
 
 
@@ -194,7 +194,7 @@ def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
     want_dw, want_db = dw_dtype is not None, db_dtype is not None
     dx = torch.empty_like(x)
     block = triton.next_power_of_2(n)
-    programs = _backward_programs(m, block, x.device)
+    programs = _backward_programs(m, x.device)
     parts = int(want_dw) + int(want_db)
     partial = torch.empty((max(parts, 1), programs, n), device=x.device, dtype=torch.float32)
     _backward_kernel[(programs,)](
