@@ -54,7 +54,7 @@ MAX_TRITON_WIDTH = 16384  # elements of one row kept in registers by one program
 PROGRAMS_PER_SM = 4  # backward programs per SM: rows in flight on every SM while keeping the
 # dw/db partials (programs x N) small; 4 was the fastest or near it across the benchmark's shapes
 INTERPRETER_PROGRAMS = 4  # backward programs off CUDA (the Triton interpreter)
-SUM_BLOCK_P, SUM_BLOCK_N = 64, 32  # the partial-sum kernel's tile: programs x columns
+SUM_BLOCK_P, SUM_BLOCK_N = 128, 16  # the partial-sum kernel's tile: programs x columns
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -248,34 +248,45 @@ def _torch_backward(dy, x, weight, stats, dw_dtype, db_dtype):
 
 
 class FusedLayerNormFunction(torch.autograd.Function):
-    """Autograd Function over ``(M, N)`` rows: ``apply(x, weight, bias, eps, use_triton)``.
+    """Autograd Function: ``apply(x, weight, bias, eps, use_triton, width)``.
 
-    ``x`` has unit column stride; ``weight``, ``bias`` are ``(N,)`` or None. Saves ``x``,
-    ``weight`` and the fp32 (float64 for float64 input) per-row ``mean`` and ``rstd`` as one
-    ``(2, M)`` tensor;
-    ``use_triton`` picks the kernels or the PyTorch path for both passes. Gradients come back
-    in their inputs' dtypes.
+    ``x``'s trailing elements form rows of ``width`` (viewed as ``(M, width)`` with unit column
+    stride, copied only where that view does not exist); ``weight``, ``bias`` hold ``width``
+    elements each, or are None. The views are taken inside the Function, so autograd records
+    one node per call and no view nodes around it (each costs host time in eager backward).
+    Saves ``x``, ``weight`` and the fp32 (float64 for float64 input) per-row ``mean`` and
+    ``rstd`` as one ``(2, M)`` tensor; ``use_triton`` picks the kernels or the PyTorch path for
+    both passes. Gradients come back in their inputs' shapes and dtypes.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, use_triton):
+    def forward(ctx, x, weight, bias, eps, use_triton, width):
+        rows = _rows(x, width)
+        w = weight.reshape(width) if weight is not None else None
+        b = bias.reshape(width) if bias is not None else None
         forward = _triton_forward if use_triton else _torch_forward
-        y, stats = forward(x, weight, bias, eps)
-        ctx.save_for_backward(x, weight, stats)
+        y, stats = forward(rows, w, b, eps)
+        ctx.save_for_backward(rows, w, stats)
         ctx.use_triton = use_triton
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y
+        ctx.shapes = (x.shape, weight.shape if weight is not None else None)
+        ctx.bias_dtype, ctx.bias_shape = (
+            (bias.dtype, bias.shape) if bias is not None else (None,) * 2
+        )
+        return y.view(x.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         x, weight, stats = ctx.saved_tensors
-        _, want_dw, want_db, _, _ = ctx.needs_input_grad
+        _, want_dw, want_db, _, _, _ = ctx.needs_input_grad
+        x_shape, w_shape = ctx.shapes
         backward = _triton_backward if ctx.use_triton else _torch_backward
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dy = _rows(dy, x.shape[1])
         dw_dtype = weight.dtype if want_dw else None
         dx, dw, db = backward(dy, x, weight, stats, dw_dtype, ctx.bias_dtype if want_db else None)
-        return dx, dw, db, None, None
+        dw = dw.view(w_shape) if dw is not None else None
+        db = db.view(ctx.bias_shape) if db is not None else None
+        return dx.view(x_shape), dw, db, None, None, None
 
 
 def fused_layer_norm(
@@ -302,11 +313,7 @@ def fused_layer_norm(
         if p is not None and tuple(p.shape) != normalized_shape:
             raise ValueError(f"{name} of shape {tuple(p.shape)}; expected {normalized_shape}")
     width = math.prod(normalized_shape)
-    w = weight.reshape(width) if weight is not None else None
-    b = bias.reshape(width) if bias is not None else None
-    use_triton = uses_triton(x, width)
-    y = FusedLayerNormFunction.apply(_rows(x, width), w, b, eps, use_triton)
-    return y.reshape(x.shape)
+    return FusedLayerNormFunction.apply(x, weight, bias, eps, uses_triton(x, width), width)
 
 
 class FusedLayerNorm(nn.LayerNorm):

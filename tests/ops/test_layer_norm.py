@@ -201,7 +201,7 @@ for dtype, tol in TOL.items():
         leaves = [t for t in (x, w, b) if t is not None]
         low = [t.to(dtype).requires_grad_(True) for t in leaves]
         x_, w_, b_ = low[0], (low[1] if has_w else None), (low[-1] if has_b else None)
-        y = FusedLayerNormFunction.apply(x_, w_, b_, 1e-5, True)
+        y = FusedLayerNormFunction.apply(x_, w_, b_, 1e-5, True, n)
         got = [y, *torch.autograd.grad(y, low, dy.to(dtype))]
         ref = [t.detach().to(dtype).double().requires_grad_(True) for t in leaves]
         xr, wr, br = ref[0], (ref[1] if has_w else None), (ref[-1] if has_b else None)
@@ -215,7 +215,7 @@ for dtype, tol in TOL.items():
 x = torch.randn(6, 40, requires_grad=True)
 w = torch.randn(40, requires_grad=True)
 v = torch.randn(40)
-got = torch.autograd.grad(FusedLayerNormFunction.apply(x, w, None, 1e-5, True).sum(0), [x, w], v)
+got = torch.autograd.grad(FusedLayerNormFunction.apply(x, w, None, 1e-5, True, 40).sum(0), [x, w], v)
 expected = torch.autograd.grad(F.layer_norm(x, (40,), w, None, 1e-5).sum(0), [x, w], v)
 for g, e in zip(got, expected):
     assert (g - e).abs().max() <= 1e-5 * e.abs().max(), "stride-0 dy"
