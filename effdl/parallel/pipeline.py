@@ -5,16 +5,22 @@ A model cut into consecutive pieces runs as a pipeline over the ranks of a proce
 ``r`` of ``S`` holds one piece (or ``v`` pieces, "chunks", for the interleaved schedule: chunk
 ``c`` of rank ``r`` is global stage ``c * S + r``). A batch is split into ``m`` equal
 micro-batches along dim 0; activations go forward and their gradients backward with
-``isend``/``recv``; the last stage computes ``loss_fn(output, target) / m`` per micro-batch, so
+``isend``/``irecv``; the last stage computes ``loss_fn(output, target) / m`` per micro-batch, so
 the gradients accumulated over all micro-batches equal those of the whole-batch mean loss.
 
 A schedule is a function giving each rank its list of :class:`Action` (forward or backward of
 one micro-batch on one chunk); :class:`PipelineStage` executes any such list. Sends never block
 (``isend``; each is waited only once a later message proves it was received: an activation
 when its gradient comes back, a gradient when the previous rank's next forward arrives), a
-rank blocks only on the ``recv`` of an input it needs, so a schedule runs without deadlock
+rank blocks only on the receive of an input it needs, so a schedule runs without deadlock
 when every rank's list respects the data dependencies (:func:`simulate` checks that without
 processes), and 1F1B's memory stays bounded by the number of stages.
+
+Receives are posted ahead (``irecv``): on each link, the next input the schedule will need is
+posted as soon as its buffer's shape is known, so it arrives while the rank computes (gloo
+receives in its background thread) and, under NCCL, the receive does not queue behind the
+compute kernels launched after it was due (a communicator's stream waits for the work already
+on the compute stream when an operation is posted).
 
 Each direction of each link (activations ``r -> r+1``, gradients ``r+1 -> r``) has its own
 two-rank process group: messages in one group arrive in the order they were sent, and NCCL,
@@ -354,16 +360,86 @@ class PipelineStage:
             self._headers_sent.add(chunk)
         self._send(x, nxt, group, key)
 
-    def _recv_activation(self, chunk: int) -> torch.Tensor:
+    def _recv_header(self, chunk: int) -> None:
+        """The dtype and shape of ``chunk``'s activations, sent before its first one."""
         prev = (self.rank - 1) % self.world
-        group = self._act_groups[prev]
-        if chunk not in self._recv_shapes:
-            header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-            values = self._recv(header, prev, group).tolist()
-            self._recv_shapes[chunk] = (_DTYPES[values[0]], values[2 : 2 + values[1]])
-        dtype, shape = self._recv_shapes[chunk]
-        x = self._recv(torch.empty(shape, dtype=dtype, device=self.device), prev, group)
-        return x.requires_grad_(x.is_floating_point())
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        values = self._recv(header, prev, self._act_groups[prev]).tolist()
+        self._recv_shapes[chunk] = (_DTYPES[values[0]], values[2 : 2 + values[1]])
+
+    # -- receives posted ahead ----------------------------------------------------------------
+
+    def _plan_receives(self, actions: list[Action], last: int) -> None:
+        """Per link, the indices of the actions that receive on it, in order: activations from
+        the previous rank (forwards of every stage but 0), gradients from the next (backwards
+        of every stage but the last). Each link's messages arrive in this order."""
+        self._receivers = {
+            link: [
+                k for k, a in enumerate(actions) if a.kind == kind and self._stage(a.chunk) != end
+            ]
+            for link, kind, end in (("act", FORWARD, 0), ("grad", BACKWARD, last))
+        }
+        self._next_receiver = {"act": 0, "grad": 0}  # position of the next one not yet posted
+        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+
+    def _post_receives(
+        self, actions: list[Action], saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """On each link with nothing posted, post the receive of the next action that needs
+        one, if its buffer can be made: an activation once its chunk's header has come (the
+        header itself is received in order, when the action runs), a gradient once the
+        forward whose output it belongs to has run."""
+        prev, nxt = (self.rank - 1) % self.world, (self.rank + 1) % self.world
+        for link, receivers in self._receivers.items():
+            position = self._next_receiver[link]
+            if position == len(receivers) or (position and receivers[position - 1] in self._posted):
+                continue  # all posted, or one still waiting to be taken
+            index = receivers[position]
+            action = actions[index]
+            if link == "act":
+                if action.chunk not in self._recv_shapes:
+                    continue
+                dtype, shape = self._recv_shapes[action.chunk]
+                buf, peer = torch.empty(shape, dtype=dtype, device=self.device), prev
+                group = self._act_groups[prev]
+            else:
+                if (action.chunk, action.micro_batch) not in saved:
+                    continue
+                buf, peer = torch.empty_like(saved[action.chunk, action.micro_batch][1]), nxt
+                group = self._grad_groups[nxt]
+            work = dist.irecv(buf, self._global[peer], group=group)
+            self._posted[index] = (work, buf)
+            self._next_receiver[link] = position + 1
+
+    def _take(self, link: str, index: int, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The input of action ``index``: its posted receive, waited on, or (not posted yet)
+        received now into ``make()``."""
+        if index in self._posted:
+            work, buf = self._posted.pop(index)
+            work.wait()
+            return buf
+        position = self._next_receiver[link]
+        assert self._receivers[link][position] == index, "receives taken out of order"
+        self._next_receiver[link] = position + 1
+        return make()
+
+    def _take_activation(self, index: int, chunk: int) -> torch.Tensor:
+        prev = (self.rank - 1) % self.world
+
+        def receive_now() -> torch.Tensor:
+            if chunk not in self._recv_shapes:
+                self._recv_header(chunk)
+            dtype, shape = self._recv_shapes[chunk]
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            return self._recv(buf, prev, self._act_groups[prev])
+
+        return self._take("act", index, receive_now)
+
+    def _take_gradient(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        nxt = (self.rank + 1) % self.world
+        return self._take(
+            "grad", index, lambda: self._recv(torch.empty_like(out), nxt, self._grad_groups[nxt])
+        )
 
     def _relay_loss(self, loss: torch.Tensor) -> None:
         """The last rank's loss handed down the gradient links to rank 0, so every rank returns
@@ -424,6 +500,7 @@ class PipelineStage:
         self._headers_sent: set[int] = set()
         self._recv_shapes: dict[int, tuple[torch.dtype, list[int]]] = {}
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan_receives(actions, last)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         start = time.perf_counter()
         timeline = Timeline(self.device.type == "cuda", enabled=record_timings)
@@ -433,8 +510,10 @@ class PipelineStage:
                 if stage == 0:
                     x = inputs[action.micro_batch]
                 else:
-                    x = self._recv_activation(action.chunk)
+                    x = self._take_activation(index, action.chunk)
+                    x.requires_grad_(x.is_floating_point())
                     self._confirm_gradients(action, prev_position)
+                self._post_receives(actions, saved)
                 t0 = timeline.mark()
                 out = self.chunks[action.chunk](x)
                 if stage == last:
@@ -445,14 +524,14 @@ class PipelineStage:
                     self._send_activation(out.detach(), action.chunk, (FORWARD, *key))
                 saved[key] = (x, out)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(saved))
+                self._post_receives(actions, saved)
             else:
                 x, out = saved.pop(key)
                 grad = None
                 if stage != last:
-                    grad = torch.empty_like(out)
-                    nxt = (self.rank + 1) % self.world
-                    self._recv(grad, nxt, self._grad_groups[nxt])
+                    grad = self._take_gradient(index, out)
                     self._confirm((FORWARD, *key))  # the next stage used the activation
+                self._post_receives(actions, saved)
                 t0 = timeline.mark()
                 torch.autograd.backward(out, grad)
                 timeline.add(BACKWARD, index, t0, timeline.mark())
