@@ -1,11 +1,16 @@
 """Pipeline-parallel training of an MLP digit classifier cut into stages (effdl.parallel.pipeline).
 
-One process per stage; the optimizer steps once per batch after all micro-batches, so the loss
-curve must coincide with ``--reference`` (the same model, seed and batches in one process).
+One process per stage; the optimizer steps once per batch after all micro-batches, so the math
+is that of single-process training with gradient accumulation: ``--reference --accumulate`` (the
+same model, seed, batches and micro-batches in one process, with the backwards in the schedules'
+order), whose loss curve the pipeline's must coincide with. ``--reference`` alone trains on
+whole batches: the same math summed in another order, so its gap to the accumulating reference
+is the float32 rounding noise of this training (two equivalent single-process runs).
 
     python memory_efficient_gpt2/pipeline_parallel.py --quick                # CPU, 4 gloo processes
     python memory_efficient_gpt2/pipeline_parallel.py --schedule gpipe --steps 300
-    python memory_efficient_gpt2/pipeline_parallel.py --reference            # one process
+    python memory_efficient_gpt2/pipeline_parallel.py --reference --accumulate   # one process
+    python memory_efficient_gpt2/pipeline_parallel.py --reference            # whole batches
     python memory_efficient_gpt2/pipeline_parallel.py --long                 # 10/100/1000 micro-batches
     python memory_efficient_gpt2/pipeline_parallel.py --compare-torch --schedule gpipe   # reference
     torchrun --nproc-per-node 4 memory_efficient_gpt2/pipeline_parallel.py --backend nccl
@@ -13,12 +18,14 @@ curve must coincide with ``--reference`` (the same model, seed and batches in on
 Without ``torchrun`` the script starts its own ranks (effdl.parallel.launch.spawn); with
 ``--backend nccl`` rank r uses GPU ``r % device_count`` (ranks may share a GPU). CPU ranks get
 ``--threads`` intra-op threads each (default: an equal share of the cores) and their own block
-of cores. Per step: loss and step time (that of the last rank to finish). Per run, over the last
-``--timed-steps`` steps (the earlier ones are warm-up): the median step time, the bubble fraction
-measured (compute time per action against the step's wall time) beside the formula, each
-stage's compute time per micro-batch and the time of one activation message (so the reader
-sees that messages are small against compute), the activations held in flight and the peak
-memory of every rank (RSS on CPU, ``max_memory_allocated`` on GPU).
+of cores; a reference on the CPU takes the threads of one rank (the thread count decides how a
+product's sums are split, hence how they round). Per step: loss and step time (that of the last
+rank to finish). Per run, over the last ``--timed-steps`` steps (the earlier ones are warm-up):
+the median step time, the bubble fraction measured (compute time per action against the step's
+wall time) beside the formula, each stage's compute time per micro-batch and the time of one
+activation message (so the reader sees that messages are small against compute), the
+activations held in flight and the peak memory of every rank (RSS on CPU,
+``max_memory_allocated`` on GPU).
 ``--long`` runs ``--long-micro-batches`` counts of ``--long-micro-batch-size`` rows each and
 logs the peak memory at each count, which stays flat with 1F1B. ``--compare-torch`` trains the
 same split model with torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B instead (the
@@ -76,7 +83,8 @@ TORCH_SCHEDULES = ("gpipe", "1f1b")
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """One run: pipeline training (default), its single-process ``reference``, or ``long``."""
+    """One run: pipeline training (default), its single-process ``reference`` (on whole batches,
+    or with ``accumulate`` over the micro-batches), or ``long``."""
 
     schedule: str = "1f1b"
     stages: int = 4
@@ -88,6 +96,7 @@ class PipelineConfig:
     lr: float = 0.01
     timed_steps: int = 20  # the last steps; the earlier ones are warm-up
     reference: bool = False
+    accumulate: bool = False  # the reference accumulates gradients over the micro-batches
     long: bool = False
     compare_torch: bool = False  # torch.distributed.pipelining's schedule on the same stages
     long_micro_batches: tuple[int, ...] = (10, 100, 1000)
@@ -117,6 +126,8 @@ class PipelineConfig:
                 "the first steps are warm-up, left out of the timing"
             )
         require_positive(self, "stages", minimum=2)
+        if self.accumulate and not self.reference:
+            raise UsageError("--accumulate applies to --reference only")
         if self.compare_torch and self.schedule not in TORCH_SCHEDULES:
             raise UsageError(
                 f"--compare-torch needs --schedule in {sorted(TORCH_SCHEDULES)}, "
@@ -153,8 +164,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pipel
     flags.add("hidden", type=int, help="width of the MLP")
     flags.add("lr", type=float, help="SGD learning rate (momentum 0.9)")
     flags.add("timed_steps", type=int, help="last steps timed (step time, bubble fraction)")
-    flags.add("threads", type=int, help="intra-op threads per CPU rank; 0: cores // stages")
+    flags.add(
+        "threads",
+        type=int,
+        help="intra-op threads per CPU rank, and of --reference on the CPU; 0: cores // stages",
+    )
     flags.add("reference", action="store_true", help="the same training in one process")
+    flags.add(
+        "accumulate",
+        action="store_true",
+        help="with --reference: one backward per micro-batch, gradients accumulated (the "
+        "pipeline's math); without: whole batches",
+    )
     flags.add("long", action="store_true", help="peak memory against the micro-batch count")
     flags.add(
         "compare_torch",
@@ -465,8 +486,29 @@ def run_ranks(cfg: PipelineConfig) -> list[dict] | None:
     return gathered
 
 
+def whole_batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Backward of the batch's mean cross-entropy in one pass; returns the loss."""
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item()
+
+
+def accumulated_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -> float:
+    """Gradient accumulation: the batch cut into ``parts`` micro-batches as PipelineStage cuts
+    it (``torch.chunk`` along dim 0), one backward of ``cross_entropy / parts`` each, in
+    micro-batch order, the order in which every schedule runs the backwards of a chunk. Returns
+    the float64 sum of the scaled losses, the loss the pipeline reports."""
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for xs, ys in zip(x.chunk(parts), y.chunk(parts), strict=True):
+        loss = nn.functional.cross_entropy(model(xs), ys) / parts
+        loss.backward()
+        total += loss.detach()
+    return total.item()
+
+
 def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
-    """The same model, data order and optimizer in one process, on whole batches."""
+    """The same model, data order and optimizer in one process, on whole batches or, with
+    ``cfg.accumulate``, accumulating the gradients of the micro-batches."""
     x, y, source = load_data(cfg)
     x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
     torch.manual_seed(cfg.seed)
@@ -478,12 +520,14 @@ def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
         for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
             start = time.perf_counter()
             optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
-            loss.backward()
+            if cfg.accumulate:
+                loss = accumulated_loss(model, x[rows], y[rows], cfg.micro_batches)
+            else:
+                loss = whole_batch_loss(model, x[rows], y[rows])
             optimizer.step()
             synchronize(device)
             step_s = time.perf_counter() - start
-            steps.append({"step": step, "loss": loss.item(), "step_s": step_s})
+            steps.append({"step": step, "loss": loss, "step_s": step_s})
     return {"steps": steps, "peak_memory_bytes": memory.peak, "source": source}
 
 
@@ -497,7 +541,12 @@ def main(argv: list[str] | None = None) -> None:
     logging = os.environ.get("RANK", "0") == "0"
     run = start_run(args, TASK, LOG) if logging else None
     if cfg.reference:
-        log_training(run, cfg, "reference", [reference_run(cfg, run.device)])
+        if run.device.type == "cpu":
+            # A product's sums are split among the intra-op threads, so the reference takes the
+            # thread count of one rank to round as the ranks do.
+            torch.set_num_threads(cpu_threads(cfg.stages, cfg.threads))
+        variant = "reference_accumulated" if cfg.accumulate else "reference"
+        log_training(run, cfg, variant, [reference_run(cfg, run.device)])
         return
     if "LOCAL_RANK" not in os.environ:
         # The ranks are forked from here, and a child forked after this process ran an
@@ -515,9 +564,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_config(run: Run, cfg: PipelineConfig, results: list[dict]) -> dict:
-    """Every flag of the run, the data, the host, and the CPU share of each rank."""
+    """Every flag of the run, the data, the host, and the CPU share of each rank (of the
+    reference on the CPU: its intra-op threads)."""
     config = {**dataclasses.asdict(cfg), "data": results[0]["source"], "where": run.where}
-    if cfg.backend == "gloo" and not cfg.reference:
+    if cfg.reference:
+        if run.device.type == "cpu":
+            config |= {"cores_available": available_cores(), "cpu_threads": torch.get_num_threads()}
+    elif cfg.backend == "gloo":
         config |= {
             "cores_available": available_cores(),
             "threads_per_rank": cpu_threads(cfg.stages, cfg.threads),

@@ -11,6 +11,9 @@ built from the same seeded weights (effdl.parallel.tensor):
 Both train on the same batches (scikit-learn's digits by default, ``--data`` CIFAR-10 batches)
 with Adam; the run logs each per-step loss curve, the test accuracy, the median step time after
 ``--warmup`` steps, and the largest relative gap between the parallel and the reference curve.
+Beside them it logs the reference trained once more with each batch's gradient accumulated over
+its two halves (``<level>_reference_halves``): the same math summed in another order, so its gap
+to the reference is the rounding noise of the training, the scale to read a parallel gap on.
 
     python memory_efficient_gpt2/tensor_parallel.py --quick                        # CPU, gloo
     python memory_efficient_gpt2/tensor_parallel.py --world-size 2 4 --level mlp norm block
@@ -229,11 +232,34 @@ def batch_indices(n_train: int, cfg: TensorParallelConfig, seed: int) -> list[to
     return list(order[: cfg.steps * cfg.batch].view(cfg.steps, cfg.batch))
 
 
+def backward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -> torch.Tensor:
+    """Backward of the batch's mean cross-entropy, returning the loss (detached). With ``parts``
+    > 1 the gradient is accumulated over that many slices of the batch (``torch.chunk``), each
+    slice's mean weighted by its share of the rows: the same gradient, summed in another order,
+    and the loss the float64 sum of the weighted slices."""
+    if parts == 1:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for xs, ys in zip(x.chunk(parts), y.chunk(parts), strict=True):
+        loss = F.cross_entropy(model(xs), ys) * (len(ys) / len(y))
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def train(
-    model: nn.Module, data: DigitsData, cfg: TensorParallelConfig, seed: int, device
+    model: nn.Module,
+    data: DigitsData,
+    cfg: TensorParallelConfig,
+    seed: int,
+    device,
+    parts: int = 1,
 ) -> TrainResult:
-    """``cfg.steps`` Adam steps of cross-entropy on the seeded batches; the loss of each step
-    (before its update), the test accuracy after the last, and the step times."""
+    """``cfg.steps`` Adam steps of cross-entropy on the seeded batches, each batch's gradient
+    accumulated over ``parts`` slices (:func:`backward_loss`); the loss of each step (before
+    its update), the test accuracy after the last, and the step times."""
     dtype = DTYPES[cfg.dtype]
     model.to(device)
     x_train, y_train = data.x_train.to(device, dtype), data.y_train.to(device)
@@ -244,8 +270,7 @@ def train(
         if step >= cfg.warmup:
             timer.start()
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x_train[rows]), y_train[rows])
-        loss.backward()
+        loss = backward_loss(model, x_train[rows], y_train[rows], parts)
         optimizer.step()
         if step >= cfg.warmup:
             timer.stop()
@@ -299,23 +324,33 @@ def train_single(
     data: DigitsData,
     seed: int,
     device: torch.device,
-) -> TrainResult:
-    """The reference: the unsharded model on the same data, seeds and batches. The process-group
-    arguments let :func:`spawn` run it (``world`` = 1; it communicates nothing)."""
+    parts: tuple[int, ...] = (1,),
+) -> list[TrainResult]:
+    """The reference: the unsharded model on the same data, seeds and batches, trained once per
+    entry of ``parts`` (each batch's gradient accumulated over that many slices), from the same
+    weights each time. The process-group arguments let :func:`spawn` run it (``world`` = 1; it
+    communicates nothing)."""
     use_cpu_share(0, 1, cfg)
-    model = reference_model(level, cfg, data.image_shape, seed)
-    return train(model, data, cfg, seed, device)
+    return [
+        train(reference_model(level, cfg, data.image_shape, seed), data, cfg, seed, device, n)
+        for n in parts
+    ]
 
 
 def train_reference(
-    level: str, cfg: TensorParallelConfig, data: DigitsData, seed: int, device
-) -> TrainResult:
+    level: str,
+    cfg: TensorParallelConfig,
+    data: DigitsData,
+    seed: int,
+    device,
+    parts: tuple[int, ...] = (1,),
+) -> list[TrainResult]:
     """:func:`train_single` in a process of its own, with the CPU threads it is given there (this
     process stays single-threaded so that it can fork, see :func:`main`), unless this process
     is a torchrun rank or forks no ranks (``--reference``)."""
     if dist.is_initialized() or cfg.reference:
-        return train_single(0, 1, level, cfg, data, seed, device)
-    return spawn(train_single, 1, level, cfg, data, seed, device)[0]
+        return train_single(0, 1, level, cfg, data, seed, device, parts)
+    return spawn(train_single, 1, level, cfg, data, seed, device, parts)[0]
 
 
 def reference_device(cfg: TensorParallelConfig, run) -> torch.device:
@@ -443,10 +478,15 @@ def learning_curves(cfg, data: DigitsData, seed: int, run, leader: bool) -> None
         }  # fmt: skip
         if not leader:
             continue
-        reference = train_reference(level, cfg, data, seed, reference_device(cfg, run))
+        device = reference_device(cfg, run)
+        reference, halves = train_reference(level, cfg, data, seed, device, parts=(1, 2))
         log = run.logs[Path(LOGS["curves"]).stem]
         log.log(f"{level}_reference", run_config(level, 1, cfg, source), result_metrics(reference))
         rows.append(summary_row(level, "reference", reference))
+        gap = max_relative_gap(halves.losses, reference.losses)
+        metrics = {**result_metrics(halves), "max_rel_gap_vs_reference": gap}
+        log.log(f"{level}_reference_halves", run_config(level, 1, cfg, source), metrics)
+        rows.append({**summary_row(level, "reference, halves", halves), "max_rel_gap": gap})
         for world, result in parallel.items():
             gap = max_relative_gap(result.losses, reference.losses)
             metrics = {**result_metrics(result), "max_rel_gap_vs_reference": gap}
@@ -473,7 +513,7 @@ def sweep_world(cfg, data: DigitsData, seed: int, run) -> None:
         raise UsageError("--sweep-world starts its own processes: run it without torchrun")
     log, rows = run.logs[Path(LOGS["step_time"]).stem], []
     for level in cfg.level:
-        reference = train_reference(level, cfg, data, seed, reference_device(cfg, run))
+        (reference,) = train_reference(level, cfg, data, seed, reference_device(cfg, run))
         results = {"reference": (1, reference)}
         results |= {
             f"parallel x{w}": (w, train_parallel(level, w, cfg, data, seed))

@@ -1,10 +1,11 @@
 """memory_efficient_gpt2/pipeline_parallel.py on the CPU: a --quick pipeline run logs the same
-loss curve as its --reference run (single process), --long logs every micro-batch count, and bad
-flags are refused in one line.
+loss curve, bit for bit, as its --reference --accumulate run (single process, gradients
+accumulated over the micro-batches), --long logs every micro-batch count, and bad flags are
+refused in one line.
 
 The pipeline runs are separate interpreters: the script forks its ranks, and a fork of a process
 that has already run torch kernels (this test session) can hang in the child's first parallel
-kernel. The single-process reference runs in this process.
+kernel. The single-process references run in this process (restoring its thread count after).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from effdl.cli import run_main
 from effdl.parallel.launch import cpu_threads
-from effdl.parallel.pipeline import bubble_fraction, split_sequential
+from effdl.parallel.pipeline import BACKWARD, SCHEDULES, bubble_fraction, split_sequential
 from effdl.results import read_records
 from tests.script_loading import ROOT, load_script
 
@@ -39,13 +41,42 @@ def losses(records: list[dict], variant: str) -> list[float]:
     return [r["metrics"]["loss"] for r in records if r["variant"] == variant]
 
 
-def test_quick_pipeline_curve_equals_the_single_process_curve(tmp_path):
+@pytest.fixture
+def keep_threads():
+    """A reference run sets this process's intra-op threads to one rank's; put them back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference(out: Path, *flags: str) -> None:
+    """``--quick --reference FLAGS`` in this process (no fork)."""
+    pipeline_parallel.main(["--quick", "--reference", *flags, "--out", str(out)])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_every_schedule_runs_backwards_in_micro_batch_order(schedule):
+    """On every rank and chunk: the order in which --reference --accumulate adds the
+    micro-batches' gradients."""
+    chunks = 2 if schedule == "interleaved" else 1
+    for rank in range(4):
+        actions = SCHEDULES[schedule](4, 8, rank, chunks)
+        for chunk in range(chunks):
+            order = [a.micro_batch for a in actions if a.kind == BACKWARD and a.chunk == chunk]
+            assert order == list(range(8))
+
+
+def test_quick_pipeline_curve_equals_the_accumulating_reference(tmp_path, keep_threads):
     run_script(tmp_path, "--schedule", "1f1b")
-    pipeline_parallel.main(["--quick", "--reference", "--out", str(tmp_path)])  # no fork
+    reference(tmp_path, "--accumulate")
+    reference(tmp_path)
     records = read_records(tmp_path / pipeline_parallel.LOG)
-    got, expected = losses(records, "1f1b"), losses(records, "reference")
-    assert len(got) == len(expected) == pipeline_parallel.QUICK.steps
-    assert got == pytest.approx(expected, rel=1e-5)  # float32, sums in another order
+    got = losses(records, "1f1b")
+    accumulated, whole = losses(records, "reference_accumulated"), losses(records, "reference")
+    assert len(got) == len(accumulated) == len(whole) == pipeline_parallel.QUICK.steps
+    assert got == accumulated  # float32: the same products, summed in the same order
+    assert got == pytest.approx(whole, rel=1e-5)  # float32, whole-batch sums: another order
+    assert got != whole
     record = next(r for r in records if r["variant"] == "1f1b_summary")
     summary = record["metrics"]
     assert summary["bubble_formula"] == pytest.approx(bubble_fraction(4, 8))
@@ -78,9 +109,9 @@ def test_long_run_logs_each_micro_batch_count(tmp_path):
         assert len(row["peak_memory_bytes"]) == len(row["growth_bytes"]) == 4
 
 
-def test_torch_pipelining_reference_trains_the_same_curve(tmp_path):
+def test_torch_pipelining_reference_trains_the_same_curve(tmp_path, keep_threads):
     run_script(tmp_path, "--compare-torch", "--schedule", "gpipe")
-    pipeline_parallel.main(["--quick", "--reference", "--out", str(tmp_path)])  # no fork
+    reference(tmp_path)
     records = read_records(tmp_path / pipeline_parallel.LOG)
     got, expected = losses(records, "torch_gpipe"), losses(records, "reference")
     assert len(got) == len(expected) == pipeline_parallel.QUICK.steps
@@ -98,6 +129,7 @@ def test_torch_pipelining_reference_trains_the_same_curve(tmp_path):
         (["--compare-torch", "--schedule", "interleaved"], "--compare-torch needs --schedule"),
         (["--timed-steps", "12"], "--timed-steps 12 must be below --steps 12"),
         (["--threads", "-1"], "--threads must be >= 0"),
+        (["--accumulate"], "--accumulate applies to --reference only"),
     ],
 )
 def test_bad_flags_are_refused_in_one_line(tmp_path, monkeypatch, capsys, flags, message):

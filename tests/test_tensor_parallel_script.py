@@ -1,5 +1,6 @@
 """memory_efficient_gpt2/tensor_parallel.py end to end on the CPU (gloo, 2 ranks): every level's
-parallel loss curve equals the single-process reference trained in the same run.
+parallel loss curve equals the single-process reference trained in the same run, and so does the
+reference trained on accumulated half batches (the rounding-noise floor of float32 runs).
 
 The script runs as a subprocess, as a user runs it: its ranks are forked, and a fork from this
 test process (which other tests leave with OpenMP threads) could hang.
@@ -41,7 +42,7 @@ def test_parallel_curves_equal_the_reference_in_float64(tmp_path):
     assert sorted(by_variant) == sorted(
         f"{level}_{mode}"
         for level in ("mlp", "norm", "block")
-        for mode in ("parallel", "reference")
+        for mode in ("parallel", "reference", "reference_halves")
     )
     for level in ("mlp", "norm", "block"):
         parallel = by_variant[f"{level}_parallel"]
@@ -50,6 +51,9 @@ def test_parallel_curves_equal_the_reference_in_float64(tmp_path):
         assert reference[-1] < reference[0]  # it learns: the curves are not flat
         assert parallel["metrics"]["losses"] == pytest.approx(reference, rel=1e-10, abs=0)
         assert parallel["metrics"]["max_rel_gap_vs_reference"] <= 1e-10
+        halves = by_variant[f"{level}_reference_halves"]["metrics"]
+        assert halves["losses"] == pytest.approx(reference, rel=1e-10, abs=0)
+        assert halves["max_rel_gap_vs_reference"] <= 1e-10  # the order differs, not the math
         assert 0 <= parallel["metrics"]["test_accuracy"] <= 1
         assert parallel["metrics"]["step_ms_median"] > 0
 
