@@ -312,13 +312,16 @@ class ParallelLayerNorm(nn.Module):
     """LayerNorm over a feature dimension that is sharded across ranks (e.g. between a column-
     and a row-parallel layer). Input and output: this rank's shard (..., features / world).
 
-    The mean and variance need the full feature set, which no rank holds: each rank sums its
-    shard's ``x`` and ``x**2`` per row, one all-reduce (differentiable: its backward sums the
-    gradients the same way) adds these across ranks, and ``mean = S1 / n``,
-    ``var = S2 / n - mean**2`` (biased, as nn.LayerNorm). This one-pass variance loses
-    precision when ``|mean|`` is large against the standard deviation; a second all-reduce of
-    centred squares would avoid that at twice the communication. Affine weight and bias (as
-    nn.LayerNorm's ``elementwise_affine`` and ``bias``) are sharded like the features.
+    The mean and variance need the full feature set, which no rank holds. Each rank computes
+    its shard's mean ``m_r`` and sum of squared deviations ``M2_r`` per row (two passes over
+    local data), one all-reduce hands every rank all of them (each rank fills its own slot of
+    a zeroed ``(world, 2, rows)`` tensor; differentiable, its backward sums the gradients the
+    same way), and every rank combines them as Chan et al. do: ``mean = mean_r(m_r)``,
+    ``M2 = sum_r M2_r + (n / world) * sum_r (m_r - mean)**2``, ``var = M2 / n`` (biased, as
+    nn.LayerNorm). Unlike ``E[x**2] - mean**2`` from all-reduced sums, no large terms cancel,
+    so float32 keeps its precision when ``|mean|`` is large against the standard deviation,
+    at the same one collective per direction. Affine weight and bias (as nn.LayerNorm's
+    ``elementwise_affine`` and ``bias``) are sharded like the features.
     """
 
     def __init__(
@@ -364,11 +367,19 @@ class ParallelLayerNorm(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local_sums = torch.stack((x.sum(-1), (x * x).sum(-1)))
-        # Every rank's output depends on every rank's sums: all-reduce forward and backward.
-        sums = reduce_from_parallel(copy_to_parallel(local_sums, self.group), self.group)
-        mean = sums[0] / self.normalized_features
-        var = sums[1] / self.normalized_features - mean * mean
+        rank, world = _world(self.group)
+        local_mean = x.mean(-1)
+        local_m2 = (x - local_mean.unsqueeze(-1)).square().sum(-1)
+        slots = [torch.zeros_like(local_mean)] * (2 * world)
+        slots[2 * rank], slots[2 * rank + 1] = local_mean, local_m2
+        padded = torch.stack(slots).unflatten(0, (world, 2))
+        # Every rank's output depends on every rank's statistics: all-reduce forward and backward.
+        shard_mean, shard_m2 = reduce_from_parallel(
+            copy_to_parallel(padded, self.group), self.group
+        ).unbind(1)
+        mean = shard_mean.mean(0)
+        m2 = shard_m2.sum(0) + x.shape[-1] * (shard_mean - mean).square().sum(0)
+        var = m2 / self.normalized_features
         y = (x - mean.unsqueeze(-1)) * torch.rsqrt(var.unsqueeze(-1) + self.eps)
         if self.weight is not None:
             y = y * self.weight

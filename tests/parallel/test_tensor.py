@@ -262,6 +262,24 @@ def test_one_all_reduce_per_direction_per_parallel_mlp_or_attention(kind, all_re
         assert result == {"forward": expected, "backward": expected}
 
 
+def norm_far_from_zero(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's float32 ParallelLayerNorm output, the float64 nn.LayerNorm shard) for rows
+    whose mean is 1000 standard deviations from zero."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = 1000 + torch.randn(16, 64, generator=g, dtype=torch.float64)
+    expected = nn.functional.layer_norm(x, (64,)).chunk(world, -1)[rank]
+    norm = ParallelLayerNorm.from_layer_norm(nn.LayerNorm(64))
+    return norm(x.float().chunk(world, -1)[rank]).detach(), expected
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallel_layer_norm_keeps_float32_precision_far_from_zero(world):
+    # x**2 ~ 1e6 here: E[x**2] - mean**2 in float32 would lose the variance (~1) to rounding.
+    for got, expected in spawn(norm_far_from_zero, world):
+        assert (got.double() - expected).abs().max() < 1e-3
+
+
 def learning_problem() -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
     """(inputs, targets, loss): scikit-learn's bundled 8x8 digits (real images, 10 classes) when
     scikit-learn is importable, else a seeded nonlinear regression with 10 outputs."""
