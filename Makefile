@@ -74,6 +74,7 @@ demo-lm: $(STAMP)
 demo-parallel: $(STAMP)
 	$(PY) memory_efficient_gpt2/tensor_parallel.py --quick --out $(RUNS)/parallelism
 	$(PY) memory_efficient_gpt2/pipeline_parallel.py --quick --reference --device cpu --out $(RUNS)/parallelism
+	$(PY) memory_efficient_gpt2/pipeline_parallel.py --quick --reference --accumulate --device cpu --out $(RUNS)/parallelism
 	$(PY) memory_efficient_gpt2/pipeline_parallel.py --quick --out $(RUNS)/parallelism
 	$(PY) memory_efficient_gpt2/pipeline_parallel.py --quick --long --out $(RUNS)/parallelism
 
