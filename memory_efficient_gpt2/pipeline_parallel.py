@@ -67,6 +67,7 @@ from effdl.parallel.pipeline import (
     FORWARD,
     SCHEDULES,
     PipelineStage,
+    accumulated_backward,
     bubble_fraction,
     measured_bubble_fraction,
     simulate_seconds,
@@ -486,26 +487,6 @@ def run_ranks(cfg: PipelineConfig) -> list[dict] | None:
     return gathered
 
 
-def whole_batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Backward of the batch's mean cross-entropy in one pass; returns the loss."""
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    return loss.item()
-
-
-def accumulated_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -> float:
-    """Gradient accumulation: the batch cut into ``parts`` micro-batches as PipelineStage cuts
-    it (``torch.chunk`` along dim 0), one backward of ``cross_entropy / parts`` each, in
-    micro-batch order, the order in which every schedule runs the backwards of a chunk. Returns
-    the float64 sum of the scaled losses, the loss the pipeline reports."""
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for xs, ys in zip(x.chunk(parts), y.chunk(parts), strict=True):
-        loss = nn.functional.cross_entropy(model(xs), ys) / parts
-        loss.backward()
-        total += loss.detach()
-    return total.item()
-
-
 def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
     """The same model, data order and optimizer in one process, on whole batches or, with
     ``cfg.accumulate``, accumulating the gradients of the micro-batches."""
@@ -520,10 +501,8 @@ def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
         for step, rows in enumerate(batch_indices(len(x), cfg.batch, cfg.steps, cfg.seed)):
             start = time.perf_counter()
             optimizer.zero_grad()
-            if cfg.accumulate:
-                loss = accumulated_loss(model, x[rows], y[rows], cfg.micro_batches)
-            else:
-                loss = whole_batch_loss(model, x[rows], y[rows])
+            parts = cfg.micro_batches if cfg.accumulate else 1
+            loss = accumulated_backward(model, x[rows], y[rows], parts).item()
             optimizer.step()
             synchronize(device)
             step_s = time.perf_counter() - start

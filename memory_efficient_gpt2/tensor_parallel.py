@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 from effdl.cli import (
     ConfigFlags,
@@ -59,6 +58,7 @@ from effdl.parallel import (
     ParallelMLP,
     ParallelTransformerBlock,
     RowParallelLinear,
+    accumulated_backward,
     available_cores,
     cpu_threads,
     init_from_env,
@@ -232,23 +232,6 @@ def batch_indices(n_train: int, cfg: TensorParallelConfig, seed: int) -> list[to
     return list(order[: cfg.steps * cfg.batch].view(cfg.steps, cfg.batch))
 
 
-def backward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -> torch.Tensor:
-    """Backward of the batch's mean cross-entropy, returning the loss (detached). With ``parts``
-    > 1 the gradient is accumulated over that many slices of the batch (``torch.chunk``), each
-    slice's mean weighted by its share of the rows: the same gradient, summed in another order,
-    and the loss the float64 sum of the weighted slices."""
-    if parts == 1:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss.detach()
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for xs, ys in zip(x.chunk(parts), y.chunk(parts), strict=True):
-        loss = F.cross_entropy(model(xs), ys) * (len(ys) / len(y))
-        loss.backward()
-        total += loss.detach()
-    return total
-
-
 def train(
     model: nn.Module,
     data: DigitsData,
@@ -258,7 +241,7 @@ def train(
     parts: int = 1,
 ) -> TrainResult:
     """``cfg.steps`` Adam steps of cross-entropy on the seeded batches, each batch's gradient
-    accumulated over ``parts`` slices (:func:`backward_loss`); the loss of each step (before
+    accumulated over ``parts`` slices (:func:`effdl.parallel.accumulated_backward`); the loss of each step (before
     its update), the test accuracy after the last, and the step times."""
     dtype = DTYPES[cfg.dtype]
     model.to(device)
@@ -270,7 +253,7 @@ def train(
         if step >= cfg.warmup:
             timer.start()
         optimizer.zero_grad(set_to_none=True)
-        loss = backward_loss(model, x_train[rows], y_train[rows], parts)
+        loss = accumulated_backward(model, x_train[rows], y_train[rows], parts)
         optimizer.step()
         if step >= cfg.warmup:
             timer.stop()

@@ -243,6 +243,30 @@ def measured_bubble_fraction(busy_s: Sequence[float], wall_s: float) -> float:
     return 1.0 - sum(busy_s) / len(busy_s) / wall_s
 
 
+def accumulated_backward(
+    model: nn.Module,
+    batch: torch.Tensor,
+    target: torch.Tensor,
+    parts: int = 1,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The single-process math of :meth:`PipelineStage.run`: ``batch`` and ``target`` cut into
+    ``parts`` slices along dim 0 (``torch.chunk``, as the stage cuts micro-batches), one backward
+    of ``loss_fn(model(slice), target) / parts`` each, in slice order (the order in which every
+    schedule runs a chunk's backwards), gradients accumulated. Slices of unequal size are
+    weighted by their share of the rows instead. ``parts = 1`` is plain whole-batch training.
+    Returns the float64 sum of the scaled losses (the loss the pipeline reports)."""
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    equal = len(batch) % parts == 0
+    total = torch.zeros((), dtype=torch.float64, device=batch.device)
+    for xs, ys in zip(batch.chunk(parts), target.chunk(parts), strict=True):
+        loss = loss_fn(model(xs), ys)
+        loss = loss / parts if equal else loss * (len(ys) / len(target))
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
     """``model``'s layers cut into ``parts`` consecutive pieces of near-equal layer counts (the
     pieces share the layers, not copies)."""

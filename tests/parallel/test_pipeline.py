@@ -23,6 +23,7 @@ from effdl.parallel.pipeline import (
     SCHEDULES,
     Action,
     PipelineStage,
+    accumulated_backward,
     bubble_fraction,
     gpipe_schedule,
     interleaved_schedule,
@@ -312,3 +313,17 @@ def test_misuse_is_refused_in_words():
     assert messages[0][0] == "stage 1 of 2 does not match the group: rank 0 of 2"
     assert messages[0][1] == "batch of 6 rows does not split into 4 equal parts"
     assert messages[1][1] == "target of 6 rows does not split into 4 equal parts"
+
+
+@pytest.mark.parametrize(("rows", "parts"), [(12, 1), (12, 4), (10, 4)], ids=str)
+def test_accumulated_backward_equals_whole_batch_gradients(rows, parts):
+    # 10 rows in 4 parts: torch.chunk gives slices of 3, 3, 3 and 1, weighted by their rows
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x, y = torch.randn(rows, 5, dtype=torch.float64), torch.randint(0, 3, (rows,))
+    whole = nn.functional.cross_entropy(model(x), y)
+    expected = torch.autograd.grad(whole, list(model.parameters()))
+    loss = accumulated_backward(model, x, y, parts)
+    torch.testing.assert_close(loss, whole.detach(), **F64_TOL)
+    for p, e in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e, **F64_TOL)
