@@ -44,6 +44,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from effdl.ops.triton_launch import KernelLauncher
+
 try:
     import triton
     import triton.language as tl
@@ -122,20 +124,29 @@ if triton is not None:
 
     @triton.jit
     def _sum_partials_kernel(
-        partial_ptr, out_ptr, programs, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
-    ):
-        """out[k, cols] = sum over programs of partial[k, :, cols], in a fixed order, rounded
-        once to out's dtype; one program per (column block, part)."""
+        partial_ptr, first_ptr, second_ptr, programs, n,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """first (part 0) or second (part 1)[cols] = sum over programs of partial[part, :, cols],
+        in a fixed order, rounded once to the output's dtype; one program per (column block,
+        part)."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        part = tl.program_id(1).to(tl.int64)
-        base = partial_ptr + part * programs * n
+        part = tl.program_id(1)
+        base = partial_ptr + part.to(tl.int64) * programs * n
         acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
         for start in range(0, programs, BLOCK_P):
             rows = start + tl.arange(0, BLOCK_P)
             mask = (rows[:, None] < programs) & (cols[None, :] < n)
             acc += tl.load(base + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
         total = tl.sum(acc, axis=0)
-        tl.store(out_ptr + part * n + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n)
+        if part == 0:
+            tl.store(first_ptr + cols, total.to(first_ptr.dtype.element_ty), mask=cols < n)
+        else:
+            tl.store(second_ptr + cols, total.to(second_ptr.dtype.element_ty), mask=cols < n)
+
+    _launch_forward = KernelLauncher(_forward_kernel)
+    _launch_backward = KernelLauncher(_backward_kernel)
+    _launch_sum_partials = KernelLauncher(_sum_partials_kernel)
 
 
 def uses_triton(x: torch.Tensor, width: int) -> bool:
@@ -171,9 +182,17 @@ def _backward_programs(rows: int, device: torch.device) -> int:
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t`` as ``(M, width)`` rows with unit column stride (a copy only where needed)."""
+    """``t`` as ``(M, width)`` rows with unit column stride (a copy only where needed; ``t``
+    itself where it already is: each view costs host time in eager steps)."""
+    if t.dim() == 2 and t.shape[1] == width and t.stride(1) == 1:
+        return t
     rows = t.reshape(-1, width)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _shaped(t: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    """``t`` viewed as ``shape``, or ``t`` itself where it has it already (or is None)."""
+    return t if t is None or t.shape == shape else t.view(shape)
 
 
 def _triton_forward(x, weight, bias, eps):
@@ -181,8 +200,8 @@ def _triton_forward(x, weight, bias, eps):
     y = torch.empty_like(x)
     stats = torch.empty((2, m), device=x.device, dtype=torch.float32)  # mean, rstd
     block = triton.next_power_of_2(n)
-    _forward_kernel[(m,)](
-        x, y, weight if weight is not None else x, bias if bias is not None else x,
+    _launch_forward(
+        (m,), x, y, weight if weight is not None else x, bias if bias is not None else x,
         stats, x.stride(0), y.stride(0), m, n, eps,
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
@@ -197,23 +216,20 @@ def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
     programs = _backward_programs(m, x.device)
     parts = int(want_dw) + int(want_db)
     partial = torch.empty((max(parts, 1), programs, n), device=x.device, dtype=torch.float32)
-    _backward_kernel[(programs,)](
-        x, dy, dx, weight if weight is not None else x, stats, partial,
+    _launch_backward(
+        (programs,), x, dy, dx, weight if weight is not None else x, stats, partial,
         x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
         HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
         BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
-    if not parts:
-        return dx, None, None
-    same = parts == 1 or dw_dtype == db_dtype
-    out_dtype = (dw_dtype or db_dtype) if same else torch.float32
-    sums = torch.empty((parts, n), device=x.device, dtype=out_dtype)
-    _sum_partials_kernel[(triton.cdiv(n, SUM_BLOCK_N), parts)](
-        partial, sums, programs, n, BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N
-    )
-    dw, db = (sums[0] if want_dw else None), (sums[-1] if want_db else None)
-    if not same:
-        dw, db = dw.to(dw_dtype), db.to(db_dtype)
+    dw = torch.empty(n, device=x.device, dtype=dw_dtype) if want_dw else None
+    db = torch.empty(n, device=x.device, dtype=db_dtype) if want_db else None
+    if parts:
+        outs = [t for t in (dw, db) if t is not None]
+        _launch_sum_partials(
+            (triton.cdiv(n, SUM_BLOCK_N), parts), partial, outs[0], outs[-1], programs, n,
+            BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N, num_warps=4,
+        )  # fmt: skip
     return dx, dw, db
 
 
@@ -262,8 +278,7 @@ class FusedLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, use_triton, width):
         rows = _rows(x, width)
-        w = weight.reshape(width) if weight is not None else None
-        b = bias.reshape(width) if bias is not None else None
+        w, b = _shaped(weight, (width,)), _shaped(bias, (width,))
         forward = _triton_forward if use_triton else _torch_forward
         y, stats = forward(rows, w, b, eps)
         ctx.save_for_backward(rows, w, stats)
@@ -272,7 +287,7 @@ class FusedLayerNormFunction(torch.autograd.Function):
         ctx.bias_dtype, ctx.bias_shape = (
             (bias.dtype, bias.shape) if bias is not None else (None,) * 2
         )
-        return y.view(x.shape)
+        return _shaped(y, x.shape)
 
     @staticmethod
     @once_differentiable
@@ -284,9 +299,7 @@ class FusedLayerNormFunction(torch.autograd.Function):
         dy = _rows(dy, x.shape[1])
         dw_dtype = weight.dtype if want_dw else None
         dx, dw, db = backward(dy, x, weight, stats, dw_dtype, ctx.bias_dtype if want_db else None)
-        dw = dw.view(w_shape) if dw is not None else None
-        db = db.view(ctx.bias_shape) if db is not None else None
-        return dx.view(x_shape), dw, db, None, None, None
+        return _shaped(dx, x_shape), _shaped(dw, w_shape), _shaped(db, ctx.bias_shape), *(None,) * 3
 
 
 def fused_layer_norm(
@@ -307,8 +320,7 @@ def fused_layer_norm(
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)
     normalized_shape = tuple(normalized_shape)
-    if tuple(x.shape[x.dim() - len(normalized_shape) :]) != normalized_shape:
-        raise ValueError(f"x of shape {tuple(x.shape)} does not end in {normalized_shape}")
+    _check_trailing_shape(x, normalized_shape)
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != normalized_shape:
             raise ValueError(f"{name} of shape {tuple(p.shape)}; expected {normalized_shape}")
@@ -316,12 +328,22 @@ def fused_layer_norm(
     return FusedLayerNormFunction.apply(x, weight, bias, eps, uses_triton(x, width), width)
 
 
+def _check_trailing_shape(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> None:
+    if x.shape[x.dim() - len(normalized_shape) :] != normalized_shape:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not end in {normalized_shape}")
+
+
 class FusedLayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same constructor, parameters and state_dict) computed by
     :func:`fused_layer_norm`: fused Triton kernels on CUDA, the PyTorch path elsewhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_layer_norm(x, self.weight, self.bias, self.eps, self.normalized_shape)
+        # the parameters' shapes were fixed at construction: only x is checked per call
+        _check_trailing_shape(x, self.normalized_shape)
+        width = math.prod(self.normalized_shape)
+        return FusedLayerNormFunction.apply(
+            x, self.weight, self.bias, self.eps, uses_triton(x, width), width
+        )
 
 
 def swap_layer_norms(module: nn.Module) -> int:
