@@ -13,7 +13,14 @@ with Adam; the run logs each per-step loss curve, the test accuracy, the median 
 ``--warmup`` steps, and the largest relative gap between the parallel and the reference curve.
 Beside them it logs the reference trained once more with each batch's gradient accumulated over
 its two halves (``<level>_reference_halves``): the same math summed in another order, so its gap
-to the reference is the rounding noise of the training, the scale to read a parallel gap on.
+to the reference is what rounding alone does to the training, the scale to read a parallel gap on.
+
+The MLPs use ReLU (``--activation``, the assignment's levels) or GELU. With ReLU a float32 curve
+is at the mercy of single gates: a pre-activation within rounding of zero opens in one run and
+stays shut in the other, Adam turns that one sample's gradient into a step of about the learning
+rate on the unit's weights, and the runs part (the single-process reference against its own
+halves twin too). GELU has no kink, so the gap stays at rounding size and the curves can show
+the parallel math equal to the single-process one in float32 as well.
 
     python memory_efficient_gpt2/tensor_parallel.py --quick                        # CPU, gloo
     python memory_efficient_gpt2/tensor_parallel.py --world-size 2 4 --level mlp norm block
@@ -71,6 +78,7 @@ TASK = "parallelism"
 LEVELS = ("mlp", "norm", "block")
 BACKENDS = ("gloo", "nccl")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
 LOGS = {
     "curves": "tensor_parallel_curves.jsonl",
     "step_time": "tensor_parallel_step_time.jsonl",
@@ -94,6 +102,7 @@ class TensorParallelConfig:
     hidden: int = 256  # MLP hidden features (mlp, norm) and the block's feed-forward width
     d_model: int = 64
     heads: int = 4
+    activation: str = "relu"  # of every level's MLP (ACTIVATIONS)
     warmup: int = 5  # steps (or benchmark iterations) left out of the timing
     dtype: str = "float32"
     data: Path | None = None
@@ -106,6 +115,7 @@ class TensorParallelConfig:
         require_choices(self, "level", LEVELS)
         require_choices(self, "backend", BACKENDS)
         require_choices(self, "dtype", DTYPES)
+        require_choices(self, "activation", ACTIVATIONS)
         require_positive(self, "world_size", "steps", "batch", "hidden", "d_model", "heads")
         require_positive(self, "sweep_world", "bench_batch", "bench_width", "bench_iters")
         require_positive(self, "lr", minimum=0)
@@ -150,6 +160,7 @@ def parse_args() -> tuple[argparse.Namespace, TensorParallelConfig]:
     flags.add("hidden", type=int)
     flags.add("d_model", type=int)
     flags.add("heads", type=int)
+    flags.add("activation", choices=sorted(ACTIVATIONS), help="of every level's MLP")
     flags.add("warmup", type=int)
     flags.add("dtype", choices=sorted(DTYPES))
     flags.add("data", type=Path, help="CIFAR-10 python batches; default: scikit-learn digits")
@@ -186,13 +197,14 @@ def reference_model(level: str, cfg: TensorParallelConfig, image_shape, seed: in
     features = image_shape[0] * image_shape[1] * image_shape[2]
     if level == "block":
         layer = nn.TransformerEncoderLayer(
-            cfg.d_model, cfg.heads, cfg.hidden, dropout=0.0, batch_first=True, norm_first=True
-        )
+            cfg.d_model, cfg.heads, cfg.hidden, dropout=0.0, activation=cfg.activation,
+            batch_first=True, norm_first=True,
+        )  # fmt: skip
         model = RowTokenClassifier(image_shape, layer, cfg.d_model)
     else:
         norm = [nn.LayerNorm(cfg.hidden)] if level == "norm" else []
         first, last = nn.Linear(features, cfg.hidden), nn.Linear(cfg.hidden, 10)
-        model = nn.Sequential(nn.Flatten(), first, *norm, nn.ReLU(), last)
+        model = nn.Sequential(nn.Flatten(), first, *norm, ACTIVATIONS[cfg.activation](), last)
     return model.to(DTYPES[cfg.dtype])
 
 
@@ -363,7 +375,8 @@ def cpu_config(world: int, cfg: TensorParallelConfig) -> dict:
 
 
 def run_config(level: str, world: int, cfg: TensorParallelConfig, source: str) -> dict:
-    keys = ("steps", "batch", "lr", "hidden", "d_model", "heads", "warmup", "dtype", "backend")
+    keys = ("steps", "batch", "lr", "hidden", "d_model", "heads", "activation", "warmup", "dtype",
+            "backend")  # fmt: skip
     return {
         "level": level,
         "world_size": world,
