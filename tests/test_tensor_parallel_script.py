@@ -31,10 +31,11 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_parallel_curves_equal_the_reference_in_float64(tmp_path):
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_parallel_curves_equal_the_reference_in_float64(tmp_path, activation):
     done = run_script(
         "--dtype", "float64", "--world-size", "2", "--steps", "6", "--warmup", "1",
-        "--out", str(tmp_path),
+        "--activation", activation, "--out", str(tmp_path),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     records = read_records(tmp_path / "tensor_parallel_curves.jsonl")
@@ -48,6 +49,7 @@ def test_parallel_curves_equal_the_reference_in_float64(tmp_path):
         parallel = by_variant[f"{level}_parallel"]
         reference = by_variant[f"{level}_reference"]["metrics"]["losses"]
         assert parallel["config"]["world_size"] == 2
+        assert parallel["config"]["activation"] == activation
         assert reference[-1] < reference[0]  # it learns: the curves are not flat
         assert parallel["metrics"]["losses"] == pytest.approx(reference, rel=1e-10, abs=0)
         assert parallel["metrics"]["max_rel_gap_vs_reference"] <= 1e-10
