@@ -8,6 +8,9 @@ the backward of a fixed random ``dy`` into x, the weight and the bias. Variants:
   torch      nn.LayerNorm (aten's fused kernels)
   fused      effdl.ops.layer_norm.FusedLayerNorm (Triton on CUDA, its PyTorch path elsewhere)
   compiled   torch.compile(nn.LayerNorm) (CUDA only by default: compiling on a CPU is slow)
+  host_floor a Python autograd.Function over (x, weight, bias) that launches no kernel and
+             returns x: what any LayerNorm written as a Python Function costs the host before
+             its first kernel (eager time only; CUDA only by default)
 
 Bytes moved per step, the least any implementation must move: the forward reads x and writes y,
 the backward reads x and dy and writes dx (5 passes over tokens x hidden at the dtype's size),
@@ -51,8 +54,9 @@ from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_varian
 from effdl.profiling.timing import median_ratio_ci
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-VARIANTS = ["torch", "fused", "compiled"]
-CUDA_ONLY_DEFAULTS = {"compiled"}
+VARIANTS = ["torch", "fused", "compiled", "host_floor"]
+CUDA_ONLY_DEFAULTS = {"compiled", "host_floor"}
+HOST_ONLY = {"host_floor"}  # no kernels: no bandwidth, no CUDA-graph time
 PASSES = 5  # x, y forward; x, dy, dx backward
 MAX_REPS = 20000
 
@@ -168,9 +172,29 @@ def parse_args():
     return args, flags.resolve(args)
 
 
+class _NoKernelFunction(torch.autograd.Function):
+    """Takes what FusedLayerNormFunction takes and launches nothing: ``x`` back (a view)
+    forward, ``dy`` back as dx and no parameter gradients backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None, None
+
+
+class HostFloor(nn.LayerNorm):
+    """The host floor of a LayerNorm written as a Python autograd.Function (not a LayerNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NoKernelFunction.apply(x, self.weight, self.bias)
+
+
 def build_layer_norm(variant: str, hidden: int, eps: float, dtype, device) -> nn.Module:
     """``variant``'s LayerNorm with random affine parameters (same seed for every variant)."""
-    cls = FusedLayerNorm if variant == "fused" else nn.LayerNorm
+    cls = {"fused": FusedLayerNorm, "host_floor": HostFloor}.get(variant, nn.LayerNorm)
     ln = cls(hidden, eps=eps, device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -284,7 +308,8 @@ def benchmark_shape(
     device, dtype = run.device, DTYPES[dtype_name]
     built = [layer_norm_variant(v, shape, dtype, cfg, device) for v in variants]
     results = time_variants(built, cfg.harness(), device)
-    graph = graph_step_times(variants, shape, dtype, cfg, device) if device.type == "cuda" else {}
+    kernels = [v for v in variants if v not in HOST_ONLY]
+    graph = graph_step_times(kernels, shape, dtype, cfg, device) if device.type == "cuda" else {}
     itemsize = torch.empty((), dtype=dtype).element_size()
     on_triton = uses_triton(torch.empty(1, device=device, dtype=dtype), shape.hidden)
     fused_path = "triton" if on_triton else "pytorch"
@@ -304,7 +329,8 @@ def benchmark_shape(
             metrics.update(graph_step_s=graph[variant],
                            graph_step_s_median=statistics.median(graph[variant]),
                            graph_replays=cfg.graph_replays)  # fmt: skip
-        metrics = with_bandwidth(metrics, shape, itemsize, copy_gb_per_s)
+        if variant not in HOST_ONLY:
+            metrics = with_bandwidth(metrics, shape, itemsize, copy_gb_per_s)
         metrics["path"] = fused_path if variant == "fused" else variant
         res[variant] = metrics
         run.log.log(variant, config, metrics)
@@ -316,10 +342,11 @@ def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict]) -> dict:
     t = {v: m.get("step_s_median", nan) for v, m in res.items()}
     row = {"shape": str(shape), "dtype": dtype_name}
     row.update({f"{v} ms": s * 1e3 for v, s in t.items()})
-    row.update({f"{v} frac copy": m.get("frac_copy", nan) for v, m in res.items()})
-    if all("graph_step_s_median" in m for m in res.values()):
-        row.update({f"{v} graph ms": m["graph_step_s_median"] * 1e3 for v, m in res.items()})
-        row.update({f"{v} graph frac copy": m["graph_frac_copy"] for v, m in res.items()})
+    kernels = {v: m for v, m in res.items() if v not in HOST_ONLY}
+    row.update({f"{v} frac copy": m.get("frac_copy", nan) for v, m in kernels.items()})
+    if all("graph_step_s_median" in m for m in kernels.values()):
+        row.update({f"{v} graph ms": m["graph_step_s_median"] * 1e3 for v, m in kernels.items()})
+        row.update({f"{v} graph frac copy": m["graph_frac_copy"] for v, m in kernels.items()})
         if "torch" in res and "fused" in res:
             row["graph torch/fused"] = (
                 res["torch"]["graph_step_s_median"] / res["fused"]["graph_step_s_median"]

@@ -308,7 +308,8 @@ def test_data_deliverables_quick(cache, tmp_path):
 
 def test_layer_norm_benchmark_quick_logs_every_shape_and_refuses_bad_flags(tmp_path):
     script = str(ROOT / "lm_training" / "layer_norm_benchmark.py")
-    run = subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)],
+    run = subprocess.run([sys.executable, script, "--quick", "--variants", "torch", "fused",
+                          "host_floor", "--out", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
     records = read_records(tmp_path / "layer_norm_benchmark.jsonl")
@@ -316,7 +317,11 @@ def test_layer_norm_benchmark_quick_logs_every_shape_and_refuses_bad_flags(tmp_p
     assert variants.count("copy_bandwidth") == 1
     cases = {(r["config"]["tokens"], r["config"]["hidden"], r["config"]["dtype"])
              for r in records if r["variant"] == "summary"}  # fmt: skip
-    assert len(cases) >= 2 and variants.count("torch") == variants.count("fused") == len(cases)
+    assert len(cases) >= 2
+    assert variants.count("torch") == variants.count("fused") == variants.count("host_floor")
+    assert variants.count("torch") == len(cases)
+    for r in records:  # the floor moves no LayerNorm bytes: no bandwidth is claimed for it
+        assert ("frac_copy" in r["metrics"]) == (r["variant"] in ("torch", "fused")), r["variant"]
     for argv, flag in ((["--shapes", "12x"], "--shapes"), (["--variants", "foo"], "--variants")):
         bad = subprocess.run([sys.executable, script, "--quick", *argv, "--out", str(tmp_path)],
                              capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
