@@ -124,25 +124,20 @@ if triton is not None:
 
     @triton.jit
     def _sum_partials_kernel(
-        partial_ptr, first_ptr, second_ptr, programs, n,
-        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        """first (part 0) or second (part 1)[cols] = sum over programs of partial[part, :, cols],
-        in a fixed order, rounded once to the output's dtype; one program per (column block,
-        part)."""
+        partial_ptr, out_ptr, programs, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        """out[k, cols] = sum over programs of partial[k, :, cols], in a fixed order, rounded
+        once to out's dtype; one program per (column block, part)."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        part = tl.program_id(1)
-        base = partial_ptr + part.to(tl.int64) * programs * n
+        part = tl.program_id(1).to(tl.int64)
+        base = partial_ptr + part * programs * n
         acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
         for start in range(0, programs, BLOCK_P):
             rows = start + tl.arange(0, BLOCK_P)
             mask = (rows[:, None] < programs) & (cols[None, :] < n)
             acc += tl.load(base + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
         total = tl.sum(acc, axis=0)
-        if part == 0:
-            tl.store(first_ptr + cols, total.to(first_ptr.dtype.element_ty), mask=cols < n)
-        else:
-            tl.store(second_ptr + cols, total.to(second_ptr.dtype.element_ty), mask=cols < n)
+        tl.store(out_ptr + part * n + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n)
 
     _launch_forward = KernelLauncher(_forward_kernel)
     _launch_backward = KernelLauncher(_backward_kernel)
@@ -222,14 +217,20 @@ def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
         HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
         BLOCK=block, num_warps=_num_warps(block),
     )  # fmt: skip
-    dw = torch.empty(n, device=x.device, dtype=dw_dtype) if want_dw else None
-    db = torch.empty(n, device=x.device, dtype=db_dtype) if want_db else None
-    if parts:
-        outs = [t for t in (dw, db) if t is not None]
-        _launch_sum_partials(
-            (triton.cdiv(n, SUM_BLOCK_N), parts), partial, outs[0], outs[-1], programs, n,
-            BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N, num_warps=4,
-        )  # fmt: skip
+    if not parts:
+        return dx, None, None
+    same = parts == 1 or dw_dtype == db_dtype
+    out_dtype = (dw_dtype or db_dtype) if same else torch.float32
+    sums = torch.empty((parts, n), device=x.device, dtype=out_dtype)
+    _launch_sum_partials(
+        (triton.cdiv(n, SUM_BLOCK_N), parts), partial, sums, programs, n,
+        BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N, num_warps=4,
+    )  # fmt: skip
+    outs = iter(sums.unbind(0))
+    dw = next(outs) if want_dw else None
+    db = next(outs) if want_db else None
+    if not same:
+        dw, db = dw.to(dw_dtype), db.to(db_dtype)
     return dx, dw, db
 
 
