@@ -18,8 +18,9 @@ measures achieved bandwidth.
 
 Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
 backward runs a few programs per SM (enough rows in flight, few partials), each over a contiguous
-block of rows,
-writing dx row by row and keeping its share of dw and db in fp32 registers; a third kernel sums
+block of rows, writing dx row by row (the loads of the next rows pipelined behind the current
+one's math, as shared memory allows) and keeping its share of dw and db in fp32 registers; a
+third kernel sums
 the per-program partials (``programs x N``, fp32) in a fixed order and rounds them once to the
 parameters' dtype: no atomics, so results do not depend on scheduling. Few launches and no
 intermediate torch ops matter at small shapes, where an eager step costs more host time than
@@ -55,6 +56,8 @@ except ImportError:  # CPU-only installs: the PyTorch path serves every input
 MAX_TRITON_WIDTH = 16384  # elements of one row kept in registers by one program
 PROGRAMS_PER_SM = 4  # backward programs per SM: rows in flight on every SM while keeping the
 # dw/db partials (programs x N) small; 4 was the fastest or near it across the benchmark's shapes
+ROW_STAGES = 3  # rows of x and dy in flight per backward program (software pipelining)
+ROW_BUFFER_BYTES = 128 * 1024  # shared memory those rows may take per program (of ~227 KiB/SM)
 INTERPRETER_PROGRAMS = 4  # backward programs off CUDA (the Triton interpreter)
 SUM_BLOCK_P, SUM_BLOCK_N = 128, 16  # the partial-sum kernel's tile: programs x columns
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -88,6 +91,7 @@ if triton is not None:
         x_ptr, dy_ptr, dx_ptr, w_ptr, stats_ptr, partial_ptr,
         x_stride, dy_stride, dx_stride, m, n, rows_per_program,
         HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK: tl.constexpr,
+        ROW_STAGES: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -98,7 +102,7 @@ if triton is not None:
         db = tl.zeros((BLOCK,), dtype=tl.float32)
         first = pid.to(tl.int64) * rows_per_program
         last = tl.minimum(first + rows_per_program, m)
-        for row in range(first, last):
+        for row in tl.range(first, last, num_stages=ROW_STAGES):
             x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
             mean = tl.load(stats_ptr + row)
@@ -176,6 +180,14 @@ def _backward_programs(rows: int, device: torch.device) -> int:
     return max(1, min(rows, INTERPRETER_PROGRAMS))
 
 
+def _row_stages(block: int, x: torch.Tensor, dy: torch.Tensor) -> int:
+    """Rows the backward loop keeps in flight: :data:`ROW_STAGES` where their x and dy fit
+    :data:`ROW_BUFFER_BYTES` of shared memory, else 1 (no pipelining; two stages of wide rows
+    measured slower than none)."""
+    row_bytes = block * (x.element_size() + dy.element_size())
+    return ROW_STAGES if ROW_STAGES * row_bytes <= ROW_BUFFER_BYTES else 1
+
+
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t`` as ``(M, width)`` rows with unit column stride (a copy only where needed; ``t``
     itself where it already is: each view costs host time in eager steps)."""
@@ -215,7 +227,7 @@ def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
         (programs,), x, dy, dx, weight if weight is not None else x, stats, partial,
         x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
         HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
-        BLOCK=block, num_warps=_num_warps(block),
+        BLOCK=block, ROW_STAGES=_row_stages(block, x, dy), num_warps=_num_warps(block),
     )  # fmt: skip
     if not parts:
         return dx, None, None
