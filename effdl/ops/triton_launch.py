@@ -7,8 +7,8 @@ small kernel runs on the GPU, so an eager step of a few small kernels waits on t
 specializes on (pointer dtypes and 16-byte alignment; integers' width, being 1, divisibility by
 16; the constexpr values; the launch options), a key at least as fine as Triton's own, and on a
 hit calls the compiled binary directly, with Triton's launch hooks (a profiler's) as Triton
-would. A key seen for the first time, Triton's interpreter and Triton releases without
-``triton.knobs`` take the ordinary ``kernel[grid](...)`` path.
+would. A key seen for the first time, Triton's interpreter, Triton releases without
+``triton.knobs`` and torch.compile's tracing take the ordinary ``kernel[grid](...)`` path.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class KernelLauncher:
     def __call__(
         self, grid: tuple[int, ...], *args: Any, num_warps: int, **constexprs: Any
     ) -> None:
-        if not self._compiles:
+        if not self._compiles or torch.compiler.is_compiling():
+            # torch.compile traces a plain launch of a @triton.jit kernel into its graph
             self.kernel[grid](*args, num_warps=num_warps, **constexprs)
             return
         device = torch.cuda.current_device()

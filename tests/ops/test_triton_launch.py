@@ -58,3 +58,23 @@ def test_cached_launch_runs_on_the_current_stream():
         launch((src.numel() // 1024,), *args, num_warps=4, SHIFT=1, BLOCK=1024)  # cached
     torch.cuda.current_stream().wait_stream(stream)
     torch.testing.assert_close(dst, src * 2 + 1, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_torch_compile_traces_the_launch_without_graph_breaks():
+    import torch._dynamo
+
+    launch = KernelLauncher(_scaled_copy_kernel)
+
+    def copy_scaled(src: torch.Tensor) -> torch.Tensor:
+        dst = torch.empty_like(src)
+        launch((triton.cdiv(src.numel(), 256),), src, dst, src.numel(), 3.0, 1,
+               num_warps=4, SHIFT=0, BLOCK=256)  # fmt: skip
+        return dst
+
+    src = torch.randn(1000, device="cuda")
+    copy_scaled(src)  # a cached entry exists: tracing must still take the traceable path
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(copy_scaled)(src)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.testing.assert_close(torch.compile(copy_scaled)(src), src * 3, rtol=0, atol=0)
