@@ -20,12 +20,16 @@ Kernels: the forward runs one program per row, the whole row in registers, fp32 
 backward runs a few programs per SM (enough rows in flight, few partials), each over a contiguous
 block of rows, writing dx row by row (the loads of the next rows pipelined behind the current
 one's math, as shared memory allows) and keeping its share of dw and db in fp32 registers; a
-third kernel sums
-the per-program partials (``programs x N``, fp32) in a fixed order and rounds them once to the
-parameters' dtype: no atomics, so results do not depend on scheduling. Few launches and no
-intermediate torch ops matter at small shapes, where an eager step costs more host time than
-GPU time. Inputs and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of
-different ones); every sum is fp32 and each output is rounded once, on store.
+third kernel sums the per-program partials (``programs x N``, fp32) in a fixed order and rounds
+them once to the parameters' dtype: no atomics, so results do not depend on scheduling. Inputs
+and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of different ones); every sum is fp32
+and each output is rounded once, on store.
+
+At small shapes an eager step costs more host time than GPU time, so the host path is kept
+short: three launches through :class:`effdl.ops.triton_launch.KernelLauncher` (the compiled
+binaries called directly), no intermediate torch ops, no views where shapes already match. What
+remains is the Python ``autograd.Function`` itself, which the benchmark's ``host_floor`` variant
+measures.
 
 The PyTorch path computes the same formulas with torch ops in fp32 (float64 for float64 input).
 It serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` elements (a row must fit
