@@ -48,8 +48,8 @@ class KernelLauncher:
     ``kernel[grid](*args, num_warps=..., **constexprs)`` would, for less host time.
 
     ``args`` are the kernel's runtime arguments in signature order; the constexprs are keyword
-    arguments and follow them in the signature. ``grid`` has one to three entries. Compiled
-    kernels are kept per key until :meth:`clear`.
+    arguments, follow them in the signature and are all given (defaults are not filled in).
+    ``grid`` has one to three entries. Compiled kernels are kept per key until :meth:`clear`.
     """
 
     def __init__(self, kernel) -> None:
