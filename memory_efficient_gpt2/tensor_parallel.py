@@ -253,8 +253,8 @@ def train(
     parts: int = 1,
 ) -> TrainResult:
     """``cfg.steps`` Adam steps of cross-entropy on the seeded batches, each batch's gradient
-    accumulated over ``parts`` slices (:func:`effdl.parallel.accumulated_backward`); the loss of each step (before
-    its update), the test accuracy after the last, and the step times."""
+    accumulated over ``parts`` slices (:func:`effdl.parallel.accumulated_backward`); the loss of
+    each step (before its update), the test accuracy after the last, and the step times."""
     dtype = DTYPES[cfg.dtype]
     model.to(device)
     x_train, y_train = data.x_train.to(device, dtype), data.y_train.to(device)

@@ -337,17 +337,18 @@ def fused_layer_norm(
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)
     normalized_shape = tuple(normalized_shape)
-    _check_trailing_shape(x, normalized_shape)
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != normalized_shape:
             raise ValueError(f"{name} of shape {tuple(p.shape)}; expected {normalized_shape}")
-    width = math.prod(normalized_shape)
-    return FusedLayerNormFunction.apply(x, weight, bias, eps, uses_triton(x, width), width)
+    return _apply(x, weight, bias, eps, normalized_shape)
 
 
-def _check_trailing_shape(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> None:
+def _apply(x, weight, bias, eps: float, normalized_shape: tuple[int, ...]) -> torch.Tensor:
+    """The Function on ``x`` once its trailing shape is checked (the parameters' are trusted)."""
     if x.shape[x.dim() - len(normalized_shape) :] != normalized_shape:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end in {normalized_shape}")
+    width = math.prod(normalized_shape)
+    return FusedLayerNormFunction.apply(x, weight, bias, eps, uses_triton(x, width), width)
 
 
 class FusedLayerNorm(nn.LayerNorm):
@@ -356,11 +357,7 @@ class FusedLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the parameters' shapes were fixed at construction: only x is checked per call
-        _check_trailing_shape(x, self.normalized_shape)
-        width = math.prod(self.normalized_shape)
-        return FusedLayerNormFunction.apply(
-            x, self.weight, self.bias, self.eps, uses_triton(x, width), width
-        )
+        return _apply(x, self.weight, self.bias, self.eps, self.normalized_shape)
 
 
 def swap_layer_norms(module: nn.Module) -> int:
