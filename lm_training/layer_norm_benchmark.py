@@ -2,15 +2,17 @@
 
 For every (tokens x hidden) shape and dtype, the variants are timed side by side by
 :func:`effdl.profiling.harness.time_variants` (built once, warmed up, then interleaved rounds of
-back-to-back steps; CUDA events around each forward and backward). A step is ``y = ln(x)`` and
-the backward of a fixed random ``dy`` into x, the weight and the bias. Variants:
+back-to-back steps; CUDA events around each forward and backward, and the host's own time of
+each call). A step is ``y = ln(x)`` and the backward of a fixed random ``dy`` into x, the weight
+and the bias. Variants:
 
   torch      nn.LayerNorm (aten's fused kernels)
   fused      effdl.ops.layer_norm.FusedLayerNorm (Triton on CUDA, its PyTorch path elsewhere)
   compiled   torch.compile(nn.LayerNorm) (CUDA only by default: compiling on a CPU is slow)
-  host_floor a Python autograd.Function over (x, weight, bias) that launches no kernel and
-             returns x: what any LayerNorm written as a Python Function costs the host before
-             its first kernel (eager time only; CUDA only by default)
+  host_floor a Python autograd.Function over (x, weight, bias) that launches no kernel: x back
+             (a view) forward, an uninitialized dx backward (allocated, then taken as x.grad
+             without a copy); what any LayerNorm written as a Python Function costs the host
+             in this loop, before its first kernel (eager time only; CUDA only by default)
 
 Bytes moved per step, the least any implementation must move: the forward reads x and writes y,
 the backward reads x and dy and writes dx (5 passes over tokens x hidden at the dtype's size),
@@ -18,9 +20,11 @@ plus each row's mean and rstd (fp32, written once and read once) and the paramet
 dw, db written). Achieved bandwidth is those bytes over the median step time, set against the
 device-to-device copy bandwidth measured at the start of the same run.
 
-Two times per variant. ``step``: eager calls, as a model runs them; for small shapes this is the
-host's cost of launching the kernels (the GPU waits), which differs between a Triton launch and
-an aten op. ``graph`` (CUDA only): the same forward+backward captured once in a CUDA graph and
+Three times per variant. ``step``: eager calls, as a model runs them, on the device's clock;
+for small shapes the GPU waits for the host, and this is the host's cost of the step (the loop's
+own work, ``zero_grad`` and the events, included, the same for every variant). ``host``: the
+host's time inside the forward call and the backward call alone (``perf_counter``), what a
+variant's Python and launches cost. ``graph`` (CUDA only): the same forward+backward captured once in a CUDA graph and
 replayed ``--graph-replays`` times between two events, in interleaved rounds: the kernels' own
 time, what the bandwidth fraction is about.
 
@@ -30,7 +34,10 @@ time, what the bandwidth fraction is about.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +58,7 @@ from effdl.cli import (
 from effdl.ops.layer_norm import FusedLayerNorm, uses_triton
 from effdl.profiling.flops import measure_copy_bandwidth
 from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_variants
-from effdl.profiling.timing import median_ratio_ci
+from effdl.profiling.timing import TimingStats, median_ratio_ci
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VARIANTS = ["torch", "fused", "compiled", "host_floor"]
@@ -174,7 +181,8 @@ def parse_args():
 
 class _NoKernelFunction(torch.autograd.Function):
     """Takes what FusedLayerNormFunction takes and launches nothing: ``x`` back (a view)
-    forward, ``dy`` back as dx and no parameter gradients backward."""
+    forward; backward, a new uninitialized dx (which autograd takes as ``x.grad`` as it is,
+    where ``dy`` itself, held by the caller, would be copied) and no parameter gradients."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -182,7 +190,7 @@ class _NoKernelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, None, None
+        return torch.empty_like(dy), None, None
 
 
 class HostFloor(nn.LayerNorm):
@@ -212,10 +220,29 @@ def step_inputs(shape: Shape, dtype: torch.dtype, device: torch.device):
     return x, dy
 
 
+@contextlib.contextmanager
+def timed(regions: Regions | None, name: str, host: dict[str, list[float]]) -> Iterator[None]:
+    """Region ``name`` on the device's clock, and the host's own time of the code inside
+    appended to ``host[name]``; nothing when ``regions`` is None (an untimed step)."""
+    if regions is None:
+        yield
+        return
+    with regions[name].region():
+        start = time.perf_counter()
+        yield
+        host[name].append(time.perf_counter() - start)
+
+
 def layer_norm_variant(
-    variant: str, shape: Shape, dtype: torch.dtype, cfg: BenchmarkConfig, device: torch.device
+    variant: str,
+    shape: Shape,
+    dtype: torch.dtype,
+    cfg: BenchmarkConfig,
+    device: torch.device,
+    host: dict[str, list[float]],
 ) -> Variant:
-    """A step: forward, then backward of a fixed dy; timed as regions ``fwd`` and ``bwd``."""
+    """A step: forward, then backward of a fixed dy; timed as regions ``fwd`` and ``bwd``, the
+    host's time of each call appended to ``host["fwd"]`` and ``host["bwd"]``."""
 
     def build():
         ln = build_layer_norm(variant, shape.hidden, cfg.eps, dtype, device)
@@ -225,15 +252,10 @@ def layer_norm_variant(
             for _ in range(steps):
                 ln.zero_grad(set_to_none=True)
                 x.grad = None
-                if regions is not None:
-                    regions["fwd"].start()
-                y = ln(x)
-                if regions is not None:
-                    regions["fwd"].stop()
-                    regions["bwd"].start()
-                y.backward(dy)
-                if regions is not None:
-                    regions["bwd"].stop()
+                with timed(regions, "fwd", host):
+                    y = ln(x)
+                with timed(regions, "bwd", host):
+                    y.backward(dy)
                 del y
             ln.zero_grad(set_to_none=True)
             x.grad = None
@@ -306,7 +328,8 @@ def benchmark_shape(
 ) -> dict[str, dict]:
     """Time every variant at ``shape``, log one record each; their metrics by variant."""
     device, dtype = run.device, DTYPES[dtype_name]
-    built = [layer_norm_variant(v, shape, dtype, cfg, device) for v in variants]
+    host = {v: {"fwd": [], "bwd": []} for v in variants}
+    built = [layer_norm_variant(v, shape, dtype, cfg, device, host[v]) for v in variants]
     results = time_variants(built, cfg.harness(), device)
     kernels = [v for v in variants if v not in HOST_ONLY]
     graph = graph_step_times(kernels, shape, dtype, cfg, device) if device.type == "cuda" else {}
@@ -325,6 +348,11 @@ def benchmark_shape(
     res = {}
     for variant in variants:
         metrics = results[variant].metrics()
+        for call, times in host[variant].items():
+            if times:
+                metrics.update(TimingStats.from_times(times).as_dict(f"{call}_host_s_"))
+        if "fwd_host_s_median" in metrics:
+            metrics["host_s_median"] = metrics["fwd_host_s_median"] + metrics["bwd_host_s_median"]
         if variant in graph:
             metrics.update(graph_step_s=graph[variant],
                            graph_step_s_median=statistics.median(graph[variant]),
@@ -342,6 +370,8 @@ def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict]) -> dict:
     t = {v: m.get("step_s_median", nan) for v, m in res.items()}
     row = {"shape": str(shape), "dtype": dtype_name}
     row.update({f"{v} ms": s * 1e3 for v, s in t.items()})
+    row.update({f"{v} host ms": m["host_s_median"] * 1e3 for v, m in res.items()
+                if "host_s_median" in m})  # fmt: skip
     kernels = {v: m for v, m in res.items() if v not in HOST_ONLY}
     row.update({f"{v} frac copy": m.get("frac_copy", nan) for v, m in kernels.items()})
     if all("graph_step_s_median" in m for m in kernels.values()):

@@ -1,4 +1,4 @@
-"""Fused LayerNorm: one Triton kernel for the forward, one for the backward, a PyTorch path.
+"""Fused LayerNorm: Triton kernels for the forward and the backward, a PyTorch path.
 
 For ``x`` viewed as ``(M, N)`` rows (``N`` = the normalized size), per row::
 
