@@ -5,8 +5,10 @@ under load; timing one variant after another lands that drift on whichever ran t
 variant is built once and kept alive, warmed up, and run a few synchronized steps (its own peak
 memory and its synchronized step time, which sets how many steps it is timed for); its timed
 steps are then split into chunks over ``rounds`` rounds, each round running one chunk of every
-variant, starting one variant later each round, after an untimed warm-up round. Python's cyclic
-GC is paused over the rounds (as ``timeit`` does). A variant that runs out of GPU memory, to
+variant, starting one variant later each round, after an untimed warm-up round. The device is
+synchronized before each timed chunk: work a variant left queued (a GPU-bound one runs behind
+its host) would otherwise run inside the next variant's chunk and hide that one's host time.
+Python's cyclic GC is paused over the rounds (as ``timeit`` does). A variant that runs out of GPU memory, to
 build, warm up or run, is marked OOM and dropped; the others go on.
 
 Usage::
@@ -273,6 +275,8 @@ def time_variants(
                     if rnd < 0:
                         alive[name](steps, None)
                         continue
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # no other variant's work in this chunk
                     chunk_timers[name].start()
                     alive[name](steps, regions[name])
                     chunk_timers[name].stop()

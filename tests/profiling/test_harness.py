@@ -204,3 +204,35 @@ def test_own_peak_excludes_what_the_idle_variants_hold():
         assert m["base_gib"] == held * mib / GIB
         assert m["peak_gib"] * GIB == pytest.approx((held + 32) * mib, abs=2 * mib)
         assert m["activation_peak_gib"] * GIB == pytest.approx(32 * mib, abs=2 * mib)
+
+
+@pytest.mark.gpu
+def test_a_gpu_bound_variant_leaves_no_queued_work_in_the_next_ones_chunk():
+    """A variant that queues about 20 ms of GPU work per step (4e7 cycles at 2 GHz or less) runs
+    beside one whose step is 2 ms of host time and a tiny kernel: the host-bound variant's steps
+    still take at least its 2 ms (queued work carried into its chunk would let its host time
+    pass unseen)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    cycles = 40_000_000
+
+    def gpu_bound():
+        def step(steps: int, regions: Regions | None) -> None:
+            for _ in range(steps):
+                torch.cuda._sleep(cycles)
+
+        return step
+
+    def host_bound():
+        x = torch.zeros(1, device=device)
+
+        def step(steps: int, regions: Regions | None) -> None:
+            for _ in range(steps):
+                time.sleep(0.002)
+                x.add_(1)
+
+        return step
+
+    cfg = HarnessConfig(rounds=3, min_steps=10, **QUICK)
+    res = time_variants([Variant("gpu", gpu_bound), Variant("host", host_bound)], cfg, device)
+    assert min(res["host"].step) >= 0.002
+    assert min(res["gpu"].step) >= 0.01
