@@ -42,12 +42,12 @@ fusing is to move half the bytes, and the layers that follow cast their input an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from effdl.ops.triton_launch import KernelLauncher
 
@@ -206,7 +206,28 @@ def _shaped(t: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
     return t if t is None or t.shape == shape else t.view(shape)
 
 
+def _flat(p: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """A parameter as ``width`` contiguous elements, the layout the kernels index (``p`` itself
+    where it already is; a copy where its elements are strided)."""
+    if p is None or (p.dim() == 1 and p.stride(0) == 1):
+        return p
+    return p.reshape(width).contiguous()
+
+
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The CUDA device guard a launch on ``t`` needs: none where its device is the current one
+    (launches go to the current device and stream), or off CUDA (Triton's interpreter)."""
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
+
+
 def _triton_forward(x, weight, bias, eps):
+    with _on_device(x):
+        return _triton_forward_here(x, weight, bias, eps)
+
+
+def _triton_forward_here(x, weight, bias, eps):
     m, n = x.shape
     y = torch.empty_like(x)
     stats = torch.empty((2, m), device=x.device, dtype=torch.float32)  # mean, rstd
@@ -220,6 +241,11 @@ def _triton_forward(x, weight, bias, eps):
 
 
 def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
+    with _on_device(x):
+        return _triton_backward_here(dy, x, weight, stats, dw_dtype, db_dtype)
+
+
+def _triton_backward_here(dy, x, weight, stats, dw_dtype, db_dtype):
     m, n = x.shape
     want_dw, want_db = dw_dtype is not None, db_dtype is not None
     dx = torch.empty_like(x)
@@ -295,7 +321,7 @@ class FusedLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, use_triton, width):
         rows = _rows(x, width)
-        w, b = _shaped(weight, (width,)), _shaped(bias, (width,))
+        w, b = _flat(weight, width), _flat(bias, width)
         forward = _triton_forward if use_triton else _torch_forward
         y, stats = forward(rows, w, b, eps)
         ctx.save_for_backward(rows, w, stats)
@@ -307,8 +333,12 @@ class FusedLayerNormFunction(torch.autograd.Function):
         return _shaped(y, x.shape)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph=True: the backward's own graph is not built
+            raise RuntimeError(
+                "fused_layer_norm has no second derivative (double backward); use "
+                "torch.nn.functional.layer_norm where higher-order gradients are needed"
+            )
         x, weight, stats = ctx.saved_tensors
         _, want_dw, want_db, _, _, _ = ctx.needs_input_grad
         x_shape, w_shape = ctx.shapes
@@ -328,16 +358,24 @@ def fused_layer_norm(
 ) -> torch.Tensor:
     """``F.layer_norm(x, normalized_shape, weight, bias, eps)`` with fused kernels on CUDA.
 
-    ``normalized_shape`` defaults to ``weight``'s shape, or to ``x``'s last dim when there is no
-    weight; ``weight`` and ``bias`` (either may be None) have that shape. ``x`` may be
-    non-contiguous (copied once where its rows cannot be viewed with a unit column stride).
-    Returns a new tensor of ``x``'s shape and dtype, under autocast too; see
-    :func:`uses_triton` for which path runs.
+    ``normalized_shape`` defaults to ``weight``'s shape, else ``bias``'s, else ``x``'s last dim;
+    ``weight`` and ``bias`` (either may be None) have that shape. ``x`` (floating point, at least
+    one dim) and the parameters may be non-contiguous (copied once where the kernels' layout
+    cannot be viewed). Returns a new tensor of ``x``'s shape and dtype, under autocast too; see
+    :func:`uses_triton` for which path runs. Differentiable once (no double backward).
     """
+    if not x.is_floating_point() or x.dim() == 0:
+        raise ValueError(f"x must be a floating-point tensor of at least 1 dim, got {x.dtype} "
+                         f"of shape {tuple(x.shape)}")  # fmt: skip
     if normalized_shape is None:
-        normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],)
+        given = weight if weight is not None else bias
+        normalized_shape = tuple(given.shape) if given is not None else (x.shape[-1],)
     normalized_shape = tuple(normalized_shape)
+    if not normalized_shape:
+        raise ValueError("normalized_shape must name at least one dim, got ()")
     for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and not p.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {p.dtype}")
         if p is not None and tuple(p.shape) != normalized_shape:
             raise ValueError(f"{name} of shape {tuple(p.shape)}; expected {normalized_shape}")
     return _apply(x, weight, bias, eps, normalized_shape)

@@ -141,6 +141,50 @@ def test_shape_mismatch_is_refused():
         fused_layer_norm(x, torch.ones(8), torch.zeros(6), 1e-5, (8,))
 
 
+@pytest.mark.parametrize(
+    ("x", "weight", "normalized_shape", "match"),
+    [
+        (torch.tensor(1.0), None, None, "at least 1 dim"),
+        (torch.ones(4, 8, dtype=torch.long), None, None, "floating-point"),
+        (torch.randn(4, 8), torch.ones(8, dtype=torch.long), None, "weight must be floating"),
+        (torch.randn(4, 8), None, (), "at least one dim"),
+    ],
+    ids=["scalar", "integer_x", "integer_weight", "empty_normalized_shape"],
+)
+def test_bad_inputs_get_one_line_errors(x, weight, normalized_shape, match):
+    with pytest.raises(ValueError, match=match):
+        fused_layer_norm(x, weight, None, 1e-5, normalized_shape)
+
+
+def test_bias_alone_sets_the_normalized_shape():
+    x, b = torch.randn(3, 2, 4), torch.randn(2, 4)
+    torch.testing.assert_close(fused_layer_norm(x, None, b), F.layer_norm(x, (2, 4), None, b))
+
+
+def test_strided_parameters_match_f_layer_norm():
+    """Parameters whose elements are strided (every other element of a buffer; a transposed
+    2-D weight) reach the kernels as contiguous copies; gradients come back in their shapes."""
+    x = torch.randn(5, 3, 4, requires_grad=True)
+    w = (torch.randn(4, 3) + 1).t().requires_grad_(True)  # shape (3, 4), not contiguous
+    b = torch.randn(24)[::2].view(3, 4).detach().requires_grad_(True)
+    dy = torch.randn(5, 3, 4)
+    y = fused_layer_norm(x, w, b, 1e-5)
+    got = [y, *torch.autograd.grad(y, [x, w, b], dy)]
+    yr = F.layer_norm(x, (3, 4), w, b, 1e-5)
+    expected = [yr, *torch.autograd.grad(yr, [x, w, b], dy)]
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_double_backward_is_refused_not_dropped():
+    """create_graph=True asks for a backward that is itself differentiable: refused, rather
+    than its second-order terms silently missing."""
+    x = torch.randn(4, 8, requires_grad=True)
+    y = fused_layer_norm(x, None, None).pow(3).sum()
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(y, x, create_graph=True)
+
+
 # --------------------------------------------------------------------------- the module
 
 
@@ -211,6 +255,17 @@ for dtype, tol in TOL.items():
             assert g.dtype == dtype, (name, g.dtype)
             err = (g.double() - e).abs().max() / e.abs().max().clamp_min(1.0)
             assert err <= tol, (dtype, m, n, name, float(err))
+# a weight and bias whose elements are strided (every other element of a buffer)
+x = torch.randn(4, 16, requires_grad=True)
+w = (torch.randn(32) + 1)[::2].detach().requires_grad_(True)
+b = torch.randn(32)[::2].detach().requires_grad_(True)
+dy = torch.randn(4, 16)
+y = FusedLayerNormFunction.apply(x, w, b, 1e-5, True, 16)
+got = [y, *torch.autograd.grad(y, [x, w, b], dy)]
+yr = F.layer_norm(x, (16,), w, b, 1e-5)
+expected = [yr, *torch.autograd.grad(yr, [x, w, b], dy)]
+for g, e in zip(got, expected):
+    assert (g - e).abs().max() <= 1e-5 * e.abs().max().clamp_min(1.0), "strided parameters"
 # y.sum(0) hands the backward a dy whose rows all alias one row (row stride 0)
 x = torch.randn(6, 40, requires_grad=True)
 w = torch.randn(40, requires_grad=True)
