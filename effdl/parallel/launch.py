@@ -95,6 +95,8 @@ def _collect(processes: list, results: Any) -> tuple[dict[int, Any], dict[int, s
     failures: dict[int, str] = {}
     only_rendezvous = True
     deadline = None
+    exited_at: dict[int, float] = {}  # ranks seen exited with code 0, not yet reported
+    checked = time.monotonic()  # when the last empty poll was looked at
     while len(done) + len(failures) < len(processes):
         if deadline is not None and time.monotonic() > deadline:
             break
@@ -107,9 +109,13 @@ def _collect(processes: list, results: Any) -> tuple[dict[int, Any], dict[int, s
                 only_rendezvous = only_rendezvous and not joined
         except queue.Empty:
             for rank, p in enumerate(processes):
-                if rank not in done and rank not in failures and p.exitcode not in (None, 0):
+                if rank in done or rank in failures or p.exitcode is None:
+                    continue
+                # a clean exit's report may still be in the pipe: it gets one more poll
+                if p.exitcode != 0 or exited_at.setdefault(rank, time.monotonic()) < checked:
                     failures[rank] = f"process exited with code {p.exitcode} before reporting"
                     only_rendezvous = False
+            checked = time.monotonic()
         if failures and deadline is None:
             deadline = time.monotonic() + _GRACE_S
     return done, failures, only_rendezvous

@@ -281,10 +281,15 @@ class PipelineStage:
     interleaved schedule) on stage ``rank`` of ``world``, the rank and size of ``group`` (default
     group if None). Every rank must construct its stage, in the same order relative to other
     group creations, with the same number of chunks: construction creates the link groups.
+    ``group`` may be a subgroup, but the link groups come from ``dist.new_group``, which every
+    rank of the default group must call: two pipelines on disjoint subgroups, each built by its
+    own ranks only, do not work.
 
     ``loss_fn(output, target)`` (default cross-entropy) is applied on the last global stage.
     Single-tensor activations only; integer inputs are fine on the first stage (no gradient
-    flows into them). All traffic is between neighbouring stages, in two-rank groups: under
+    flows into them). A chunk must not change its input in place (``ReLU(inplace=True)`` as its
+    first layer): on every stage but the first, the input is a leaf whose gradient is sent back.
+    ``module`` may be a list or ``nn.ModuleList`` of chunks. All traffic is between neighbouring stages, in two-rank groups: under
     NCCL several ranks may share a GPU provided neighbours (``r``, ``r + 1``) do not, since NCCL
     refuses two ranks of one communicator on the same device.
     """
@@ -306,11 +311,17 @@ class PipelineStage:
             )
         if world < 2:
             raise ValueError(f"a pipeline needs at least 2 stages, got {world}")
-        self.chunks = list(module) if isinstance(module, Sequence) else [module]
+        chunked = isinstance(module, Sequence | nn.ModuleList)
+        self.chunks = list(module) if chunked else [module]
         self.rank, self.world, self.group = rank, world, group
         self.loss_fn = loss_fn or nn.functional.cross_entropy
         if device is None:
-            device = next(self.chunks[0].parameters()).device
+            first = next(self.chunks[0].parameters(), None)
+            if first is None:
+                raise ValueError(
+                    f"stage {rank} has no parameters to take its device from: pass device="
+                )
+            device = first.device
         self.device = torch.device(device)
         self.last_stats = RunStats()
         ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
@@ -429,7 +440,8 @@ class PipelineStage:
             else:
                 if (action.chunk, action.micro_batch) not in saved:
                     continue
-                buf, peer = torch.empty_like(saved[action.chunk, action.micro_batch][1]), nxt
+                out = saved[action.chunk, action.micro_batch][1]
+                buf, peer = torch.empty_like(out, memory_format=torch.contiguous_format), nxt
                 group = self._grad_groups[nxt]
             work = dist.irecv(buf, self._global[peer], group=group)
             self._posted[index] = (work, buf)
@@ -462,7 +474,13 @@ class PipelineStage:
     def _take_gradient(self, index: int, out: torch.Tensor) -> torch.Tensor:
         nxt = (self.rank + 1) % self.world
         return self._take(
-            "grad", index, lambda: self._recv(torch.empty_like(out), nxt, self._grad_groups[nxt])
+            "grad",
+            index,
+            lambda: self._recv(
+                torch.empty_like(out, memory_format=torch.contiguous_format),
+                nxt,
+                self._grad_groups[nxt],
+            ),
         )
 
     def _relay_loss(self, loss: torch.Tensor) -> None:
@@ -508,7 +526,11 @@ class PipelineStage:
         speed; ``perf_counter`` on the CPU).
         """
         if isinstance(schedule, str):
+            if schedule not in SCHEDULES:
+                raise ValueError(f"schedule {schedule!r} is not one of {list(SCHEDULES)}")
             schedule = SCHEDULES[schedule]
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         actions = schedule(self.world, micro_batches, self.rank, len(self.chunks))
         prev_actions = schedule(
             self.world, micro_batches, (self.rank - 1) % self.world, len(self.chunks)
@@ -557,7 +579,8 @@ class PipelineStage:
                     self._confirm((FORWARD, *key))  # the next stage used the activation
                 self._post_receives(actions, saved)
                 t0 = timeline.mark()
-                torch.autograd.backward(out, grad)
+                if out.requires_grad:  # a first stage with no trainable parameters has nothing
+                    torch.autograd.backward(out, grad)
                 timeline.add(BACKWARD, index, t0, timeline.mark())
                 if stage != 0:
                     prev = (self.rank - 1) % self.world

@@ -336,7 +336,7 @@ class ParallelLayerNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_features, self.eps, self.group = normalized_features, eps, group
-        local = _shard_size(normalized_features, group, "normalized_features")
+        self.local_features = local = _shard_size(normalized_features, group, "normalized_features")
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(local, **kw)) if elementwise_affine else None
         has_bias = elementwise_affine and bias
@@ -367,6 +367,11 @@ class ParallelLayerNorm(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.local_features:
+            raise ValueError(
+                f"x ends in {x.shape[-1]} features; this rank's shard of "
+                f"{self.normalized_features} is {self.local_features}"
+            )
         rank, world = _world(self.group)
         local_mean = x.mean(-1)
         local_m2 = (x - local_mean.unsqueeze(-1)).square().sum(-1)
@@ -432,10 +437,11 @@ class ParallelSelfAttention(nn.Module):
             not (attention.batch_first and packed)
             or attention.dropout
             or attention.bias_k is not None
+            or attention.add_zero_attn
         ):
             raise ValueError(
-                "only batch-first self-attention (one packed q/k/v projection) without dropout "
-                "or bias_k/bias_v can be split"
+                "only batch-first self-attention (one packed q/k/v projection) without dropout, "
+                "bias_k/bias_v or add_zero_attn can be split"
             )
         embed, heads = attention.embed_dim, attention.num_heads
         _shard_size(heads, group, "num_heads")

@@ -304,6 +304,13 @@ def refusals(rank: int, world: int) -> list[str]:
     with pytest.raises(ValueError) as e:
         stage.run(torch.zeros(6, 2), torch.zeros(6, 2), 4)
     messages.append(str(e.value))
+    for schedule, micro_batches in (("1F1B", 2), ("1f1b", 0)):
+        with pytest.raises(ValueError) as e:
+            stage.run(torch.zeros(6, 2), torch.zeros(6, 2), micro_batches, schedule)
+        messages.append(str(e.value))
+    with pytest.raises(ValueError) as e:
+        PipelineStage(nn.ReLU(), rank, world)
+    messages.append(str(e.value))
     dist.barrier()
     return messages
 
@@ -313,6 +320,43 @@ def test_misuse_is_refused_in_words():
     assert messages[0][0] == "stage 1 of 2 does not match the group: rank 0 of 2"
     assert messages[0][1] == "batch of 6 rows does not split into 4 equal parts"
     assert messages[1][1] == "target of 6 rows does not split into 4 equal parts"
+    assert messages[0][2] == "schedule '1F1B' is not one of ['gpipe', '1f1b', 'interleaved']"
+    assert messages[0][3] == "micro_batches must be >= 1, got 0"
+    assert messages[0][4] == "stage 0 has no parameters to take its device from: pass device="
+
+
+class Transposed(nn.Module):
+    """A linear layer whose output is a transposed (non-contiguous) view."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(n_in, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).t().contiguous().t()
+
+
+def frozen_and_strided_stages(rank: int, world: int) -> dict:
+    """A 2-stage pipeline whose first stage is frozen and hands on a non-contiguous output:
+    loss and the last stage's gradient beside the same model in one process."""
+    single_threaded()
+    torch.manual_seed(0)
+    pieces = [Transposed(3, 4).requires_grad_(False).double(), nn.Linear(4, 2).double()]
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    stage = PipelineStage(pieces[rank], rank, world)
+    loss = stage.run(x, y, 3, "1f1b").item()
+    grad = pieces[1].weight.grad.clone() if rank == 1 else torch.zeros(())
+    reference = nn.Sequential(*pieces)
+    reference.zero_grad()
+    ref_loss = accumulated_backward(reference, x, y, 3).item()
+    ref_grad = pieces[1].weight.grad if rank == 1 else torch.zeros(())
+    return {"loss": loss, "reference_loss": ref_loss, "grad": grad, "reference_grad": ref_grad}
+
+
+def test_frozen_first_stage_and_non_contiguous_activations():
+    for got in spawn(frozen_and_strided_stages, 2):
+        assert got["loss"] == pytest.approx(got["reference_loss"], rel=1e-12)
+        torch.testing.assert_close(got["grad"], got["reference_grad"])
 
 
 @pytest.mark.parametrize(("rows", "parts"), [(12, 1), (12, 4), (10, 4)], ids=str)

@@ -20,6 +20,7 @@ from effdl.parallel import (
     ColumnParallelLinear,
     ParallelLayerNorm,
     ParallelMLP,
+    ParallelSelfAttention,
     ParallelTransformerBlock,
     RankFailedError,
     RowParallelLinear,
@@ -182,6 +183,10 @@ def refusals(rank: int, world: int) -> list[str]:
         lambda: ParallelTransformerBlock.from_encoder_layer(
             nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=False)
         ),
+        lambda: ParallelSelfAttention.from_attention(
+            nn.MultiheadAttention(8, 2, batch_first=True, add_zero_attn=True)
+        ),
+        lambda: ParallelLayerNorm(8)(torch.randn(3, 8)),  # the full width, not this rank's 4
     ]
     messages = []
     for attempt in attempts:
@@ -203,6 +208,8 @@ def test_misuse_is_refused_in_words():
     assert messages[4] == "dropout must be 0 for tensor parallelism, got (0.1, 0.1, 0.1)"
     assert messages[5] == "num_heads=3 does not divide evenly across 2 ranks"
     assert "batch-first" in messages[6]
+    assert "add_zero_attn" in messages[7]
+    assert messages[8] == "x ends in 8 features; this rank's shard of 8 is 4"
 
 
 def shards_of_linears(rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -341,9 +348,9 @@ def fail_on_rank_one(rank: int, world: int) -> None:
     dist.barrier()  # blocks until terminated: rank 1 never arrives
 
 
-def exit_on_rank_one(rank: int, world: int) -> None:
+def exit_on_rank_one(rank: int, world: int, code: int = 3) -> None:
     if rank == 1:
-        os._exit(3)
+        os._exit(code)
     dist.barrier()
 
 
@@ -357,3 +364,9 @@ def test_spawn_raises_when_a_rank_dies_without_reporting():
     with pytest.raises(RankFailedError) as failed:
         spawn(exit_on_rank_one, 2)
     assert failed.value.failures[1] == "process exited with code 3 before reporting"
+
+
+def test_spawn_raises_when_a_rank_exits_cleanly_without_reporting():
+    with pytest.raises(RankFailedError) as failed:
+        spawn(exit_on_rank_one, 2, 0)
+    assert failed.value.failures[1] == "process exited with code 0 before reporting"
