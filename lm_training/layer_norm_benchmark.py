@@ -24,9 +24,9 @@ Three times per variant. ``step``: eager calls, as a model runs them, on the dev
 for small shapes the GPU waits for the host, and this is the host's cost of the step (the loop's
 own work, ``zero_grad`` and the events, included, the same for every variant). ``host``: the
 host's time inside the forward call and the backward call alone (``perf_counter``), what a
-variant's Python and launches cost. ``graph`` (CUDA only): the same forward+backward captured once in a CUDA graph and
-replayed ``--graph-replays`` times between two events, in interleaved rounds: the kernels' own
-time, what the bandwidth fraction is about.
+variant's Python and launches cost. ``graph`` (CUDA only): the same forward+backward captured
+once in a CUDA graph and replayed ``--graph-replays`` times between two events, in interleaved
+rounds: the kernels' own time, what the bandwidth fraction is about.
 
     python lm_training/layer_norm_benchmark.py --quick          # CPU: the PyTorch paths, seconds
     python lm_training/layer_norm_benchmark.py --device cuda    # the full grid

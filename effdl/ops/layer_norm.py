@@ -215,19 +215,14 @@ def _flat(p: torch.Tensor | None, width: int) -> torch.Tensor | None:
 
 
 def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The CUDA device guard a launch on ``t`` needs: none where its device is the current one
-    (launches go to the current device and stream), or off CUDA (Triton's interpreter)."""
+    """The CUDA device guard work on ``t`` needs: none off CUDA or where its device is the
+    current one (Triton launches go to the current device and stream)."""
     if not t.is_cuda or t.device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)
 
 
 def _triton_forward(x, weight, bias, eps):
-    with _on_device(x):
-        return _triton_forward_here(x, weight, bias, eps)
-
-
-def _triton_forward_here(x, weight, bias, eps):
     m, n = x.shape
     y = torch.empty_like(x)
     stats = torch.empty((2, m), device=x.device, dtype=torch.float32)  # mean, rstd
@@ -241,11 +236,6 @@ def _triton_forward_here(x, weight, bias, eps):
 
 
 def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
-    with _on_device(x):
-        return _triton_backward_here(dy, x, weight, stats, dw_dtype, db_dtype)
-
-
-def _triton_backward_here(dy, x, weight, stats, dw_dtype, db_dtype):
     m, n = x.shape
     want_dw, want_db = dw_dtype is not None, db_dtype is not None
     dx = torch.empty_like(x)
@@ -323,7 +313,8 @@ class FusedLayerNormFunction(torch.autograd.Function):
         rows = _rows(x, width)
         w, b = _flat(weight, width), _flat(bias, width)
         forward = _triton_forward if use_triton else _torch_forward
-        y, stats = forward(rows, w, b, eps)
+        with _on_device(rows):
+            y, stats = forward(rows, w, b, eps)
         ctx.save_for_backward(rows, w, stats)
         ctx.use_triton = use_triton
         ctx.shapes = (x.shape, weight.shape if weight is not None else None)
@@ -345,7 +336,10 @@ class FusedLayerNormFunction(torch.autograd.Function):
         backward = _triton_backward if ctx.use_triton else _torch_backward
         dy = _rows(dy, x.shape[1])
         dw_dtype = weight.dtype if want_dw else None
-        dx, dw, db = backward(dy, x, weight, stats, dw_dtype, ctx.bias_dtype if want_db else None)
+        with _on_device(x):
+            dx, dw, db = backward(
+                dy, x, weight, stats, dw_dtype, ctx.bias_dtype if want_db else None
+            )
         return _shaped(dx, x_shape), _shaped(dw, w_shape), _shaped(db, ctx.bias_shape), *(None,) * 3
 
 

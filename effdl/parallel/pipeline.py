@@ -289,9 +289,10 @@ class PipelineStage:
     Single-tensor activations only; integer inputs are fine on the first stage (no gradient
     flows into them). A chunk must not change its input in place (``ReLU(inplace=True)`` as its
     first layer): on every stage but the first, the input is a leaf whose gradient is sent back.
-    ``module`` may be a list or ``nn.ModuleList`` of chunks. All traffic is between neighbouring stages, in two-rank groups: under
-    NCCL several ranks may share a GPU provided neighbours (``r``, ``r + 1``) do not, since NCCL
-    refuses two ranks of one communicator on the same device.
+    ``module`` may be a list or ``nn.ModuleList`` of chunks. All traffic is between neighbouring
+    stages, in two-rank groups: under NCCL several ranks may share a GPU provided neighbours
+    (``r``, ``r + 1``) do not, since NCCL refuses two ranks of one communicator on the same
+    device.
     """
 
     def __init__(

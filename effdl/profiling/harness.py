@@ -8,8 +8,8 @@ steps are then split into chunks over ``rounds`` rounds, each round running one 
 variant, starting one variant later each round, after an untimed warm-up round. The device is
 synchronized before each timed chunk: work a variant left queued (a GPU-bound one runs behind
 its host) would otherwise run inside the next variant's chunk and hide that one's host time.
-Python's cyclic GC is paused over the rounds (as ``timeit`` does). A variant that runs out of GPU memory, to
-build, warm up or run, is marked OOM and dropped; the others go on.
+Python's cyclic GC is paused over the rounds (as ``timeit`` does). A variant that runs out of
+GPU memory, to build, warm up or run, is marked OOM and dropped; the others go on.
 
 Usage::
 
