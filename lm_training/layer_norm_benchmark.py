@@ -7,7 +7,11 @@ each call). A step is ``y = ln(x)`` and the backward of a fixed random ``dy`` in
 and the bias. Variants:
 
   torch      nn.LayerNorm (aten's fused kernels)
-  fused      effdl.ops.layer_norm.FusedLayerNorm (Triton on CUDA, its PyTorch path elsewhere)
+  fused      effdl.ops.layer_norm.FusedLayerNorm (Triton on CUDA, its PyTorch path elsewhere;
+             on CUDA its C++ op where that builds, the log's ``path`` says which)
+  fused_function
+             the same Triton kernels through FusedLayerNorm's Python autograd.Function, the
+             path where the C++ op cannot be built (CUDA only by default)
   compiled   torch.compile(nn.LayerNorm) (CUDA only by default: compiling on a CPU is slow)
   host_floor a Python autograd.Function over (x, weight, bias) that launches no kernel: x back
              (a view) forward, an uninitialized dx backward (allocated, then taken as x.grad
@@ -55,14 +59,14 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.ops.layer_norm import FusedLayerNorm, uses_triton
+from effdl.ops.layer_norm import FusedLayerNorm, FusedLayerNormFunction, cpp_op, uses_triton
 from effdl.profiling.flops import measure_copy_bandwidth
 from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_variants
 from effdl.profiling.timing import TimingStats, median_ratio_ci
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-VARIANTS = ["torch", "fused", "compiled", "host_floor"]
-CUDA_ONLY_DEFAULTS = {"compiled", "host_floor"}
+VARIANTS = ["torch", "fused", "fused_function", "compiled", "host_floor"]
+CUDA_ONLY_DEFAULTS = {"fused_function", "compiled", "host_floor"}
 HOST_ONLY = {"host_floor"}  # no kernels: no bandwidth, no CUDA-graph time
 PASSES = 5  # x, y forward; x, dy, dx backward
 MAX_REPS = 20000
@@ -193,6 +197,16 @@ class _NoKernelFunction(torch.autograd.Function):
         return torch.empty_like(dy), None, None
 
 
+class FusedFunctionPath(FusedLayerNorm):
+    """FusedLayerNorm through its Python autograd.Function (the Triton kernels where they
+    run), never the C++ op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = self.weight.numel()
+        on_triton = uses_triton(x, width)
+        return FusedLayerNormFunction.apply(x, self.weight, self.bias, self.eps, on_triton, width)
+
+
 class HostFloor(nn.LayerNorm):
     """The host floor of a LayerNorm written as a Python autograd.Function (not a LayerNorm)."""
 
@@ -202,7 +216,8 @@ class HostFloor(nn.LayerNorm):
 
 def build_layer_norm(variant: str, hidden: int, eps: float, dtype, device) -> nn.Module:
     """``variant``'s LayerNorm with random affine parameters (same seed for every variant)."""
-    cls = {"fused": FusedLayerNorm, "host_floor": HostFloor}.get(variant, nn.LayerNorm)
+    cls = {"fused": FusedLayerNorm, "fused_function": FusedFunctionPath, "host_floor": HostFloor}
+    cls = cls.get(variant, nn.LayerNorm)
     ln = cls(hidden, eps=eps, device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -335,7 +350,7 @@ def benchmark_shape(
     graph = graph_step_times(kernels, shape, dtype, cfg, device) if device.type == "cuda" else {}
     itemsize = torch.empty((), dtype=dtype).element_size()
     on_triton = uses_triton(torch.empty(1, device=device, dtype=dtype), shape.hidden)
-    fused_path = "triton" if on_triton else "pytorch"
+    fused_path = ("triton-cpp" if cpp_op() is not None else "triton") if on_triton else "pytorch"
     config = {
         "tokens": shape.tokens,
         "hidden": shape.hidden,
@@ -359,7 +374,7 @@ def benchmark_shape(
                            graph_replays=cfg.graph_replays)  # fmt: skip
         if variant not in HOST_ONLY:
             metrics = with_bandwidth(metrics, shape, itemsize, copy_gb_per_s)
-        metrics["path"] = fused_path if variant == "fused" else variant
+        metrics["path"] = {"fused": fused_path, "fused_function": "triton"}.get(variant, variant)
         res[variant] = metrics
         run.log.log(variant, config, metrics)
     return res

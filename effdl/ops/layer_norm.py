@@ -25,11 +25,17 @@ them once to the parameters' dtype: no atomics, so results do not depend on sche
 and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of different ones); every sum is fp32
 and each output is rounded once, on store.
 
-At small shapes an eager step costs more host time than GPU time, so the host path is kept
-short: three launches through :class:`effdl.ops.triton_launch.KernelLauncher` (the compiled
-binaries called directly), no intermediate torch ops, no views where shapes already match. What
-remains is the Python ``autograd.Function`` itself, which the benchmark's ``host_floor`` variant
-measures.
+At small shapes an eager step costs more host time than GPU time, and a Python
+``autograd.Function`` alone costs most of what torch's whole C++ LayerNorm does (the benchmark's
+``host_floor`` variant measures it). So where the kernels run, the op is the C++ autograd op of
+``csrc/fused_layer_norm.cpp`` (:func:`cpp_op`): views, allocations, the autograd node and the
+launches in C++, the compiled Triton binaries called with ``cuLaunchKernel``. Python still
+decides every launch: the first call with a new key (shapes, strides, dtypes, alignment) asks
+:func:`_plan_forward` / :func:`_plan_backward`, which compile the kernels and describe them, and
+the op keeps that plan. The Python Function over the same kernels (three launches through
+:class:`effdl.ops.triton_launch.KernelLauncher`) serves where the C++ op cannot be built (see
+:mod:`effdl.ops.cpp_extension`) and under torch.compile, which traces it. Triton's launch hooks
+(a Triton profiler's) do not see the C++ op's launches; CUDA's profilers do.
 
 The PyTorch path computes the same formulas with torch ops in fp32 (float64 for float64 input).
 It serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` elements (a row must fit
@@ -49,6 +55,7 @@ import math
 import torch
 from torch import nn
 
+from effdl.ops.cpp_extension import load_cpp_extension
 from effdl.ops.triton_launch import KernelLauncher
 
 try:
@@ -132,20 +139,25 @@ if triton is not None:
 
     @triton.jit
     def _sum_partials_kernel(
-        partial_ptr, out_ptr, programs, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
-    ):
-        """out[k, cols] = sum over programs of partial[k, :, cols], in a fixed order, rounded
-        once to out's dtype; one program per (column block, part)."""
+        partial_ptr, first_ptr, second_ptr, programs, n,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """first[cols] (part 0), second[cols] (part 1) = sum over programs of partial[part, :,
+        cols], in a fixed order, rounded once to that output's dtype; one program per (column
+        block, part)."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        part = tl.program_id(1).to(tl.int64)
-        base = partial_ptr + part * programs * n
+        part = tl.program_id(1)
+        base = partial_ptr + part.to(tl.int64) * programs * n
         acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
         for start in range(0, programs, BLOCK_P):
             rows = start + tl.arange(0, BLOCK_P)
             mask = (rows[:, None] < programs) & (cols[None, :] < n)
             acc += tl.load(base + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
         total = tl.sum(acc, axis=0)
-        tl.store(out_ptr + part * n + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n)
+        if part == 0:
+            tl.store(first_ptr + cols, total.to(first_ptr.dtype.element_ty), mask=cols < n)
+        else:
+            tl.store(second_ptr + cols, total.to(second_ptr.dtype.element_ty), mask=cols < n)
 
     _launch_forward = KernelLauncher(_forward_kernel)
     _launch_backward = KernelLauncher(_backward_kernel)
@@ -222,48 +234,104 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device)
 
 
-def _triton_forward(x, weight, bias, eps):
+def _forward_launch(x, y, weight, bias, stats, eps):
+    """The forward kernel's grid, runtime arguments and compile options for these tensors (a
+    missing weight or bias is passed as ``x``, never read)."""
     m, n = x.shape
-    y = torch.empty_like(x)
-    stats = torch.empty((2, m), device=x.device, dtype=torch.float32)  # mean, rstd
     block = triton.next_power_of_2(n)
-    _launch_forward(
-        (m,), x, y, weight if weight is not None else x, bias if bias is not None else x,
-        stats, x.stride(0), y.stride(0), m, n, eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=_num_warps(block),
+    args = (
+        x, y, weight if weight is not None else x, bias if bias is not None else x, stats,
+        x.stride(0), y.stride(0), m, n, eps,
     )  # fmt: skip
+    options = dict(
+        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=_num_warps(block)
+    )
+    return (m,), args, options
+
+
+def _backward_layout(x, want_dw: bool, want_db: bool):
+    """``(programs, rows per program, parts)`` of the backward: ``parts`` partial sums (dw's,
+    db's) per program."""
+    m = x.shape[0]
+    programs = _backward_programs(m, x.device)
+    return programs, math.ceil(m / programs), int(want_dw) + int(want_db)
+
+
+def _backward_launch(x, dy, dx, weight, stats, partial, rows_per_program, want_dw, want_db):
+    """The backward kernel's grid, runtime arguments and compile options."""
+    m, n = x.shape
+    block = triton.next_power_of_2(n)
+    args = (
+        x, dy, dx, weight if weight is not None else x, stats, partial,
+        x.stride(0), dy.stride(0), dx.stride(0), m, n, rows_per_program,
+    )  # fmt: skip
+    options = dict(
+        HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db, BLOCK=block,
+        ROW_STAGES=_row_stages(block, x, dy), num_warps=_num_warps(block),
+    )  # fmt: skip
+    return (partial.shape[1],), args, options
+
+
+def _sum_launch(partial, dw, db):
+    """The partial-sum kernel's grid, runtime arguments and compile options: it writes dw (if
+    given) from the first part and db (if given) from the next."""
+    parts, programs, n = partial.shape
+    first = dw if dw is not None else db
+    second = db if db is not None else first
+    grid = (triton.cdiv(n, SUM_BLOCK_N), parts)
+    args = (partial, first, second, programs, n)
+    return grid, args, dict(BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N, num_warps=4)
+
+
+def _triton_forward(x, weight, bias, eps):
+    y = torch.empty_like(x)
+    stats = torch.empty((2, x.shape[0]), device=x.device, dtype=torch.float32)  # mean, rstd
+    grid, args, options = _forward_launch(x, y, weight, bias, stats, eps)
+    _launch_forward(grid, *args, **options)
     return y, stats
 
 
 def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
-    m, n = x.shape
+    n = x.shape[1]
     want_dw, want_db = dw_dtype is not None, db_dtype is not None
+    programs, rows_per_program, parts = _backward_layout(x, want_dw, want_db)
     dx = torch.empty_like(x)
-    block = triton.next_power_of_2(n)
-    programs = _backward_programs(m, x.device)
-    parts = int(want_dw) + int(want_db)
     partial = torch.empty((max(parts, 1), programs, n), device=x.device, dtype=torch.float32)
-    _launch_backward(
-        (programs,), x, dy, dx, weight if weight is not None else x, stats, partial,
-        x.stride(0), dy.stride(0), dx.stride(0), m, n, math.ceil(m / programs),
-        HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
-        BLOCK=block, ROW_STAGES=_row_stages(block, x, dy), num_warps=_num_warps(block),
-    )  # fmt: skip
-    if not parts:
-        return dx, None, None
-    same = parts == 1 or dw_dtype == db_dtype
-    out_dtype = (dw_dtype or db_dtype) if same else torch.float32
-    sums = torch.empty((parts, n), device=x.device, dtype=out_dtype)
-    _launch_sum_partials(
-        (triton.cdiv(n, SUM_BLOCK_N), parts), partial, sums, programs, n,
-        BLOCK_P=SUM_BLOCK_P, BLOCK_N=SUM_BLOCK_N, num_warps=4,
-    )  # fmt: skip
-    outs = iter(sums.unbind(0))
-    dw = next(outs) if want_dw else None
-    db = next(outs) if want_db else None
-    if not same:
-        dw, db = dw.to(dw_dtype), db.to(db_dtype)
+    grid, args, options = _backward_launch(
+        x, dy, dx, weight, stats, partial, rows_per_program, want_dw, want_db
+    )
+    _launch_backward(grid, *args, **options)
+    dw = torch.empty(n, device=x.device, dtype=dw_dtype) if want_dw else None
+    db = torch.empty(n, device=x.device, dtype=db_dtype) if want_db else None
+    if parts:
+        grid, args, options = _sum_launch(partial, dw, db)
+        _launch_sum_partials(grid, *args, **options)
     return dx, dw, db
+
+
+def _plan_forward(x, y, weight, bias, stats):
+    """The C++ op's plan for a new forward key: the compiled kernel, described
+    (:meth:`KernelLauncher.binary`)."""
+    grid, args, options = _forward_launch(x, y, weight, bias, stats, 0.0)
+    return _launch_forward.binary(grid, *args, **options)
+
+
+def _plan_backward(x, dy, dx, weight, stats, dw, db):
+    """The C++ op's plan for a new backward key: :func:`_backward_layout` and the two compiled
+    kernels, described (the partial-sum kernel None where neither ``dw`` nor ``db`` is
+    wanted)."""
+    programs, rows_per_program, parts = _backward_layout(x, dw is not None, db is not None)
+    partial = torch.empty((max(parts, 1), programs, x.shape[1]), device=x.device,
+                          dtype=torch.float32)  # fmt: skip
+    grid, args, options = _backward_launch(
+        x, dy, dx, weight, stats, partial, rows_per_program, dw is not None, db is not None
+    )
+    backward = _launch_backward.binary(grid, *args, **options)
+    sums = None
+    if parts:
+        grid, args, options = _sum_launch(partial, dw, db)
+        sums = _launch_sum_partials.binary(grid, *args, **options)
+    return programs, rows_per_program, parts, backward, sums
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -375,8 +443,31 @@ def fused_layer_norm(
     return _apply(x, weight, bias, eps, normalized_shape)
 
 
+def cpp_op():
+    """The C++ autograd op over the Triton kernels (``csrc/fused_layer_norm.cpp``), built on
+    first use, its planners set; None where it cannot be built (:mod:`effdl.ops.cpp_extension`).
+    """
+    global _cpp_op
+    if _cpp_op is None:
+        op = load_cpp_extension("effdl_fused_layer_norm", "fused_layer_norm.cpp")
+        if op is not None:
+            op.set_planners(_plan_forward, _plan_backward, MAX_TRITON_WIDTH)
+        _cpp_op = op or False
+    return _cpp_op or None
+
+
+_cpp_op = None  # what cpp_op() found: None before the first CUDA call, False where none builds
+
+
 def _apply(x, weight, bias, eps: float, normalized_shape: tuple[int, ...]) -> torch.Tensor:
-    """The Function on ``x`` once its trailing shape is checked (the parameters' are trusted)."""
+    """The op on ``x`` (the parameters' shapes are trusted): the C++ op where it is built and
+    the kernels take ``x`` (torch.compile traces the Python Function instead), else the Python
+    Function after checking ``x``'s trailing shape."""
+    op = _cpp_op if _cpp_op is not None or not x.is_cuda else cpp_op()
+    if op and not torch.compiler.is_compiling():
+        y = op.fused_layer_norm(x, weight, bias, eps, normalized_shape)
+        if y is not None:
+            return y
     if x.shape[x.dim() - len(normalized_shape) :] != normalized_shape:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end in {normalized_shape}")
     width = math.prod(normalized_shape)

@@ -9,6 +9,9 @@ specializes on (pointer dtypes and 16-byte alignment; integers' width, being 1, 
 hit calls the compiled binary directly, with Triton's launch hooks (a profiler's) as Triton
 would. A key seen for the first time, Triton's interpreter, Triton releases without
 ``triton.knobs`` and torch.compile's tracing take the ordinary ``kernel[grid](...)`` path.
+
+:meth:`KernelLauncher.binary` describes a compiled kernel for a launcher written in C++
+(``effdl/ops/csrc``), which then calls it with ``cuLaunchKernel`` and no Python at all.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ except ImportError:  # older Triton: launch hooks live elsewhere, every launch g
     _knobs = None
 
 _I32 = range(-(2**31), 2**31)
+_PARAM_KINDS = {"i32": "i", "i64": "l", "fp32": "f"}  # scalar types a C launcher passes
+SCRATCH_PARAMS = 2  # null pointers appended to a kernel's parameters (Triton's global and
+# profile scratch; a kernel that declares fewer ignores the rest)
 
 
 def _specialization(arg: Any) -> tuple:
@@ -61,6 +67,49 @@ class KernelLauncher:
     def clear(self) -> None:
         """Forget the compiled kernels (Triton keeps its own cache)."""
         self._compiled.clear()
+
+    def binary(
+        self, grid: tuple[int, ...], *args: Any, num_warps: int, **constexprs: Any
+    ) -> tuple[int, tuple[int, int, int], int, int, str, int]:
+        """Compile ``kernel`` for these arguments (launching nothing) and describe the binary for
+        a C launcher: ``(function handle, grid (3 entries), threads per block, shared memory
+        bytes, parameter kinds, trailing null pointers)``. The kinds have one letter per
+        runtime argument: ``p`` pointer, ``i`` int32, ``l`` int64, ``f`` float32, ``-`` folded
+        into the binary by Triton's specialization (an integer equal to 1, say). Raises
+        RuntimeError for what such a launcher cannot do: cluster launches, programmatic
+        dependent launch, scratch memory, argument types other than those."""
+        kernel = self.kernel.warmup(*args, grid=grid, num_warps=num_warps, **constexprs)
+        meta = kernel.metadata
+        unsupported = [
+            name
+            for name, value in (
+                ("num_ctas", getattr(meta, "num_ctas", 1) != 1),
+                ("launch_pdl", getattr(meta, "launch_pdl", False)),
+                ("launch_cooperative_grid", getattr(meta, "launch_cooperative_grid", False)),
+                ("global_scratch_size", getattr(meta, "global_scratch_size", 0)),
+                ("profile_scratch_size", getattr(meta, "profile_scratch_size", 0)),
+            )
+            if value
+        ]
+        signature, constants = kernel.src.signature, getattr(kernel.src, "constants", {})
+        kinds = ""
+        for index, name in enumerate(self.kernel.arg_names[: len(args)]):
+            kind = signature.get(name, signature.get(index, "constexpr"))
+            if kind == "constexpr" or name in constants or (index,) in constants:
+                kinds += "-"
+            elif kind.startswith("*"):
+                kinds += "p"
+            elif kind in _PARAM_KINDS:
+                kinds += _PARAM_KINDS[kind]
+            else:
+                unsupported.append(f"{name}: {kind}")
+        if unsupported:
+            raise RuntimeError(f"{self.kernel.fn.__name__}: a C launcher cannot pass {unsupported}")
+        kernel._init_handles()  # loads the binary on the current device
+        return (
+            kernel.function, (*grid, 1, 1)[:3], 32 * meta.num_warps, meta.shared, kinds,
+            SCRATCH_PARAMS,
+        )  # fmt: skip
 
     def __call__(
         self, grid: tuple[int, ...], *args: Any, num_warps: int, **constexprs: Any
