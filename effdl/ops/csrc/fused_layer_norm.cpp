@@ -132,6 +132,23 @@ std::map<Key, BackwardPlan> backward_plans;
 py::object* forward_planner = nullptr;   // set once by set_planners, never freed: it must
 py::object* backward_planner = nullptr;  // outlive the interpreter's teardown of this module
 
+// The plan kept for key, made (under the GIL, outside the lock) where there is none yet.
+template <typename Plan, typename Make>
+const Plan& kept(std::map<Key, Plan>& plans, Key key, Make make) {
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    auto found = plans.find(key);
+    if (found != plans.end()) return found->second;
+  }
+  Plan plan;
+  {
+    py::gil_scoped_acquire gil;
+    make(plan);
+  }
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  return plans.emplace(std::move(key), std::move(plan)).first->second;
+}
+
 int64_t aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
@@ -169,21 +186,12 @@ const ForwardPlan& forward_plan(const at::Tensor& x, const at::Tensor& y, const 
   Key key{x.get_device(), dtype_code(x), dtype_code(w), dtype_code(b), x.size(0), x.size(1),
           x.stride(0), y.stride(0), aligned(x), aligned(y),
           w.defined() ? aligned(w) : -1, b.defined() ? aligned(b) : -1, aligned(stats)};
-  {
-    std::lock_guard<std::mutex> lock(plans_mutex);
-    auto found = forward_plans.find(key);
-    if (found != forward_plans.end()) return found->second;
-  }
-  ForwardPlan plan;
-  {
-    py::gil_scoped_acquire gil;
+  return kept(forward_plans, std::move(key), [&](ForwardPlan& plan) {
     TORCH_CHECK(forward_planner != nullptr, "fused_layer_norm: set_planners was not called");
     plan.kernel = Binary::from(
         (*forward_planner)(to_python(x), to_python(y), to_python(w), to_python(b),
                            to_python(stats)));
-  }
-  std::lock_guard<std::mutex> lock(plans_mutex);
-  return forward_plans.emplace(std::move(key), std::move(plan)).first->second;
+  });
 }
 
 const BackwardPlan& backward_plan(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& dx,
@@ -192,14 +200,7 @@ const BackwardPlan& backward_plan(const at::Tensor& x, const at::Tensor& dy, con
   Key key{x.get_device(), dtype_code(x), dtype_code(dy), dtype_code(w), dtype_code(dw),
           dtype_code(db), x.size(0), x.size(1), x.stride(0), dy.stride(0), dx.stride(0),
           aligned(x), aligned(dy), aligned(dx), w.defined() ? aligned(w) : -1, aligned(stats)};
-  {
-    std::lock_guard<std::mutex> lock(plans_mutex);
-    auto found = backward_plans.find(key);
-    if (found != backward_plans.end()) return found->second;
-  }
-  BackwardPlan plan;
-  {
-    py::gil_scoped_acquire gil;
+  return kept(backward_plans, std::move(key), [&](BackwardPlan& plan) {
     TORCH_CHECK(backward_planner != nullptr, "fused_layer_norm: set_planners was not called");
     auto described = (*backward_planner)(to_python(x), to_python(dy), to_python(dx),
                                          to_python(w), to_python(stats), to_python(dw),
@@ -210,9 +211,7 @@ const BackwardPlan& backward_plan(const at::Tensor& x, const at::Tensor& dy, con
     plan.parts = described[2].cast<int64_t>();
     plan.kernel = Binary::from(described[3]);
     if (plan.parts > 0) plan.sum_kernel = Binary::from(described[4]);
-  }
-  std::lock_guard<std::mutex> lock(plans_mutex);
-  return backward_plans.emplace(std::move(key), std::move(plan)).first->second;
+  });
 }
 
 class FusedLayerNormOp : public torch::autograd::Function<FusedLayerNormOp> {
