@@ -199,3 +199,25 @@ def test_a_shape_mismatch_on_cuda_is_still_refused():
     )
     with pytest.raises(ValueError, match="does not end in"):
         fused_layer_norm(torch.randn(4, 8, device="cuda"), None, None, 1e-5, (6,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "autocast"])
+def test_cpp_op_under_no_grad_inference_mode_and_autocast(mode):
+    """Evaluation loops and mixed precision call the op too: the C++ op's output equals the
+    Python Function's, keeps x's dtype, and records no graph where grad mode is off."""
+    pytest.importorskip("triton")
+    x = torch.randn(2, 64, 768, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    context = {
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+        "autocast": lambda: torch.autocast("cuda", dtype=torch.float16),
+    }[mode]
+    with context():
+        got = on_cpp_op(x, w, b, (768,))
+        expected = FusedLayerNormFunction.apply(x, w, b, 1e-5, True, 768)
+    assert got.dtype == torch.bfloat16
+    assert got.requires_grad == (mode == "autocast")
+    assert_bitwise_equal([got.detach()], [expected.detach()])
