@@ -39,6 +39,7 @@ rounds: the kernels' own time, what the bandwidth fraction is about.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -202,7 +203,7 @@ class FusedFunctionPath(FusedLayerNorm):
     run), never the C++ op."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = self.weight.numel()
+        width = math.prod(self.normalized_shape)
         on_triton = uses_triton(x, width)
         return FusedLayerNormFunction.apply(x, self.weight, self.bias, self.eps, on_triton, width)
 
@@ -350,7 +351,8 @@ def benchmark_shape(
     graph = graph_step_times(kernels, shape, dtype, cfg, device) if device.type == "cuda" else {}
     itemsize = torch.empty((), dtype=dtype).element_size()
     on_triton = uses_triton(torch.empty(1, device=device, dtype=dtype), shape.hidden)
-    fused_path = ("triton-cpp" if cpp_op() is not None else "triton") if on_triton else "pytorch"
+    function_path = "triton" if on_triton else "pytorch"
+    fused_path = "triton-cpp" if on_triton and cpp_op() is not None else function_path
     config = {
         "tokens": shape.tokens,
         "hidden": shape.hidden,
@@ -374,7 +376,9 @@ def benchmark_shape(
                            graph_replays=cfg.graph_replays)  # fmt: skip
         if variant not in HOST_ONLY:
             metrics = with_bandwidth(metrics, shape, itemsize, copy_gb_per_s)
-        metrics["path"] = {"fused": fused_path, "fused_function": "triton"}.get(variant, variant)
+        metrics["path"] = {"fused": fused_path, "fused_function": function_path}.get(
+            variant, variant
+        )
         res[variant] = metrics
         run.log.log(variant, config, metrics)
     return res
