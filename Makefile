@@ -5,16 +5,18 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+PIP    := $(PY) -m pip --quiet --no-cache-dir
 RUNS   := runs
 
 .PHONY: demo test test-gpu lint reports reports-commit clean \
         demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu demo-lm demo-parallel
 
+# No pip cache: it would keep a second copy of every wheel (several GB with torch's CUDA packages).
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PIP) install --upgrade pip
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps --no-build-isolation -e .
 	@touch $@
 
 test: $(STAMP)
