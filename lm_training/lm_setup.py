@@ -2,16 +2,16 @@
 the profiler's named ranges and the FLOP/s yardsticks.
 
 Parallelism stays out of the model: the Llama from effdl.models.llama is built on the meta
-device, materialised on every rank with the same seed (so every rank starts from the same
-weights as a single process would), then compiled block by block and wrapped in DDP or sharded
-with FSDP2 (``fully_shard`` per block, then the root).
+device and materialised on every rank with the same seed (so every rank starts from the same
+weights as a single process would); effdl.parallel.wrap_model then compiles it block by block
+and wraps it in DDP or shards it with FSDP2.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,50 +80,6 @@ def build_model(args: TransformerModelArgs, device: torch.device, seed: int) -> 
     model = build_on_meta(args)
     torch.manual_seed(seed)
     return materialize(model, device, torch.float32)
-
-
-def wrap_model(
-    model: Transformer, parallel: str, fsdp_bf16: bool, compile_blocks: bool, d: Dist
-) -> nn.Module:
-    """Compile each block (``compile_blocks``), then DDP or FSDP2 per block + root.
-
-    Per-block compilation keeps one graph per block, so gradients of the last blocks are ready
-    for communication while earlier blocks still run their backward. ``fsdp_bf16``: FSDP2 keeps
-    fp32 parameters (the master weights) and casts them to bf16 when it gathers them for
-    compute; gradients are reduced in fp32.
-    """
-    if compile_blocks:
-        for block in model.layers:
-            block.compile()
-    if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [d.device.index] if d.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
-    if parallel == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(d.device.type, (d.world,))
-        policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if fsdp_bf16
-            else MixedPrecisionPolicy()
-        )
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
-
-
-def gradient_sync(model: nn.Module, last_micro_batch: bool) -> AbstractContextManager:
-    """Communicate gradients only after the step's last micro-batch (DDP and FSDP2)."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(last_micro_batch)
-        return nullcontext()
-    if hasattr(model, "no_sync") and not last_micro_batch:  # DDP
-        return model.no_sync()
-    return nullcontext()
 
 
 def make_optimizer(

@@ -52,6 +52,7 @@ from effdl.data.parquet import TEXT_COLUMN, as_encoder
 from effdl.data.stdlib_text import DEFAULT_CACHE, token_counts, unigram_entropy
 from effdl.models.llama import PRESETS, TransformerModelArgs
 from effdl.optim import MasterWeights, warmup_cosine_lr
+from effdl.parallel import gradient_sync, wrap_model
 from effdl.profiling.flops import llama_train_flops_per_token, peak_bf16_tflops
 from effdl.profiling.kernel_split import kernel_split, read_trace_events
 from effdl.profiling.timing import RegionTimer, take_peak_memory
@@ -401,7 +402,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
     if cfg.profile and not cfg.compile:
         lm_setup.add_profile_ranges(model)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
-    model = lm_setup.wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d)
+    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world)
     model.train()
     make_opt = partial(
         lm_setup.make_optimizer,
@@ -493,7 +494,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
             n_labels = all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y in batch).float(), d)
             loss_sum = torch.zeros((), device=d.device)
             for i, (x, y) in enumerate(batch):
-                with lm_setup.gradient_sync(model, i == len(batch) - 1):
+                with gradient_sync(model, i == len(batch) - 1):
                     with compute:
                         logits = model(x)
                     part = loss_fn(logits, y)

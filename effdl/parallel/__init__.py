@@ -1,7 +1,8 @@
 """Parallel training on ``torch.distributed``: process launch (:mod:`effdl.parallel.launch`),
-pipeline parallelism (:mod:`effdl.parallel.pipeline`) and tensor parallelism
-(:mod:`effdl.parallel.tensor`)."""
+data parallelism (:mod:`effdl.parallel.data_parallel`), pipeline parallelism
+(:mod:`effdl.parallel.pipeline`) and tensor parallelism (:mod:`effdl.parallel.tensor`)."""
 
+from effdl.parallel.data_parallel import PARALLEL_MODES, gradient_sync, wrap_model
 from effdl.parallel.launch import (
     CpuShare,
     RankFailedError,
@@ -36,6 +37,7 @@ from effdl.parallel.tensor import (
 )
 
 __all__ = [
+    "PARALLEL_MODES",
     "SCHEDULES",
     "Action",
     "ColumnParallelLinear",
@@ -54,6 +56,7 @@ __all__ = [
     "cpu_threads",
     "gather_from_parallel",
     "gpipe_schedule",
+    "gradient_sync",
     "init_from_env",
     "interleaved_schedule",
     "one_f_one_b_schedule",
@@ -62,4 +65,5 @@ __all__ = [
     "spawn",
     "split_sequential",
     "split_to_parallel",
+    "wrap_model",
 ]

@@ -1,0 +1,112 @@
+"""Data parallelism over the default process group: every rank trains on its own slice of the
+global batch, with the whole model (DDP) or a shard of every block (FSDP2), and gradients are
+averaged over the ranks, so a step equals one process's step on the whole batch.
+
+:func:`wrap_model` compiles the blocks and wraps or shards the model; :func:`gradient_sync`
+defers the gradients' communication to the last micro-batch of a step (gradient accumulation).
+The model keeps its blocks in ``model.layers`` (as :class:`effdl.models.llama.Transformer`
+does): the unit of compilation and of FSDP2's sharding.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+PARALLEL_MODES = ("none", "ddp", "fsdp")
+
+
+def wrap_model(
+    model: nn.Module,
+    parallel: str,
+    fsdp_bf16: bool,
+    compile_blocks: bool,
+    device: torch.device,
+    world: int,
+    *,
+    bucket_cap_mb: float | None = None,
+    gradient_as_bucket_view: bool = True,
+    broadcast_buffers: bool = False,
+) -> nn.Module:
+    """``model`` (on ``device``, the same weights on every rank) made ready for data-parallel
+    training on ``world`` ranks: each block of ``model.layers`` compiled (``compile_blocks``),
+    then wrapped in DDP (``parallel="ddp"``) or sharded with FSDP2 (``"fsdp"``: ``fully_shard``
+    per block, then the root); ``"none"`` returns it unwrapped. Mutates ``model`` (compilation,
+    FSDP2's sharding in place); returns the module to train.
+
+    Per-block compilation keeps one graph per block, so the gradients of the last blocks are
+    ready for communication while earlier blocks still run their backward. ``fsdp_bf16``: FSDP2
+    keeps fp32 parameters (the master weights) and casts them to bf16 when it gathers them for
+    compute; gradients are reduced in fp32.
+
+    DDP's settings (ignored by FSDP2): ``bucket_cap_mb``, the size of one all-reduce bucket
+    (None: torch's default, 25 MB). ``gradient_as_bucket_view``: ``.grad`` tensors are views
+    into the communication buckets, so no second copy of every gradient is kept or copied.
+    ``broadcast_buffers``: copy rank 0's buffers to every rank before each forward; off, since
+    the Llama's only buffers, its rotary tables, are computed identically on every rank.
+    """
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel {parallel!r} is not one of {list(PARALLEL_MODES)}")
+    if fsdp_bf16 and parallel != "fsdp":
+        raise ValueError(f"fsdp_bf16 needs parallel='fsdp', got {parallel!r}")
+    if compile_blocks:
+        for block in model.layers:
+            block.compile()
+    if parallel == "ddp":
+        return _ddp(model, device, bucket_cap_mb, gradient_as_bucket_view, broadcast_buffers)
+    if parallel == "fsdp":
+        _fully_shard(model, device, world, fsdp_bf16)
+    return model
+
+
+def _ddp(
+    model: nn.Module,
+    device: torch.device,
+    bucket_cap_mb: float | None,
+    gradient_as_bucket_view: bool,
+    broadcast_buffers: bool,
+) -> DistributedDataParallel:
+    # torch >= 2.13 renames broadcast_buffers to forward_sync_buffers (the old name warns).
+    accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+    buffers_flag = (
+        "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
+    )
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        **{buffers_flag: broadcast_buffers},
+    )
+
+
+def _fully_shard(model: nn.Module, device: torch.device, world: int, bf16: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def gradient_sync(model: nn.Module, last_micro_batch: bool) -> AbstractContextManager:
+    """Context for one micro-batch's forward and backward: gradients are communicated only on
+    the step's last micro-batch; before it they accumulate locally (DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``, which it sets on ``model`` right away). A plain module gets
+    a context that does nothing."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last_micro_batch)
+        return nullcontext()
+    if hasattr(model, "no_sync") and not last_micro_batch:  # DDP
+        return model.no_sync()
+    return nullcontext()
