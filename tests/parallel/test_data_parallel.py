@@ -1,0 +1,150 @@
+"""DDP and FSDP2 through ``wrap_model`` against one process trained on the whole batch (gloo, 2
+processes; the same functions run under NCCL on two GPUs in test_multigpu.py).
+
+Reference: the same small Llama, built from the same seed and trained with AdamW in one process
+on the global batch. Each rank trains on its half of every global batch, in two micro-batches
+whose gradients are communicated on the last (``gradient_sync``); the step's loss is the mean
+over all ranks' tokens. Losses per step must agree to float32 rounding (the gradients are summed
+in another order, and Adam carries the difference into the next step's weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from effdl.models.llama import Transformer, TransformerModelArgs, build_on_meta, materialize
+from effdl.parallel import gradient_sync, spawn, wrap_model
+
+ARGS = TransformerModelArgs(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=16, seq_len=16
+)
+STEPS, GLOBAL_BATCH, MICRO_BATCHES = 4, 8, 2
+FP32_RTOL = 1e-5
+
+
+def rank_device(rank: int, device_type: str) -> torch.device:
+    """GPU ``rank`` (made current) on CUDA; on the CPU one intra-op thread per forked rank (a
+    parent that ran a multi-threaded kernel leaves the child's OpenMP pool unusable)."""
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(1)
+    return torch.device("cpu")
+
+
+def build(device: torch.device) -> Transformer:
+    """The test's Llama in float32 on ``device``, the same weights on every rank and device."""
+    model = build_on_meta(ARGS)
+    torch.manual_seed(0)
+    return materialize(model, device, torch.float32)
+
+
+def global_batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, next tokens) of every step, ``GLOBAL_BATCH`` sequences each, drawn from the first
+    16 tokens of the vocabulary (so the loss falls within a few steps)."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 16, (STEPS, GLOBAL_BATCH, ARGS.seq_len + 1), generator=gen)
+    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
+
+
+def train(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: int,
+    world: int,
+) -> list[float]:
+    """AdamW steps, one per batch, each batch in ``micro_batches`` accumulated parts; the loss
+    of each step, averaged over the ``world`` ranks (equal shares of tokens)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        total = torch.zeros((), device=x.device)
+        parts = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
+        for i, (xs, ys) in enumerate(parts):
+            with gradient_sync(model, i == len(parts) - 1):
+                loss = F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()) / micro_batches
+                loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def data_parallel_losses(
+    rank: int, world: int, parallel: str, device_type: str = "cpu"
+) -> dict[str, list[float]]:
+    """This rank's per-step losses under ``parallel`` and the one-process reference's."""
+    device = rank_device(rank, device_type)
+    batches = global_batches(device)
+    reference = train(build(device), batches, 1, 1)
+    mine = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+    model = wrap_model(build(device), parallel, False, False, device, world)
+    return {"losses": train(model, mine, MICRO_BATCHES, world), "reference": reference}
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_training_equals_one_process_on_the_whole_batch(parallel):
+    for rank, got in enumerate(spawn(data_parallel_losses, 2, parallel)):
+        assert got["reference"][-1] < 0.8 * got["reference"][0]  # not a flat comparison
+        torch.testing.assert_close(
+            got["losses"], got["reference"], rtol=FP32_RTOL, atol=0, msg=f"rank {rank}"
+        )
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).cpu()
+
+
+def ddp_gradients(rank: int, world: int, device_type: str = "cpu") -> dict:
+    """Gradients of a DDP model after a first micro-batch outside sync and after a second one
+    inside it, beside a plain model's local gradients after each; DDP's settings as set."""
+    device = rank_device(rank, device_type)
+    x, y = global_batches(device)[0]
+    parts = list(zip(x.chunk(world)[rank].chunk(2), y.chunk(world)[rank].chunk(2), strict=True))
+    plain = build(device)
+    ddp = wrap_model(build(device), "ddp", False, False, device, world)
+    out = {"settings": (ddp.gradient_as_bucket_view, ddp.broadcast_buffers)}
+    for last, (xs, ys) in enumerate(parts):
+        for model in (plain, ddp):
+            with gradient_sync(model, bool(last)):
+                F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
+        out[f"plain_{last}"], out[f"ddp_{last}"] = flat_grad(plain), flat_grad(ddp)
+    return out
+
+
+def test_gradient_sync_keeps_ddp_gradients_local_until_the_last_micro_batch():
+    got = spawn(ddp_gradients, 2)
+    for rank_got in got:
+        assert rank_got["settings"] == (True, False)
+        torch.testing.assert_close(rank_got["ddp_0"], rank_got["plain_0"])  # not averaged
+        torch.testing.assert_close(
+            rank_got["ddp_1"], (got[0]["plain_1"] + got[1]["plain_1"]) / 2, rtol=1e-5, atol=1e-7
+        )
+    assert not torch.allclose(got[0]["ddp_0"], got[1]["ddp_0"])  # the ranks' data differ
+
+
+def test_wrap_model_refuses_what_it_cannot_do():
+    model = build(torch.device("cpu"))
+    with pytest.raises(
+        ValueError, match=r"parallel 'zero' is not one of \['none', 'ddp', 'fsdp'\]"
+    ):
+        wrap_model(model, "zero", False, False, torch.device("cpu"), 1)
+    with pytest.raises(ValueError, match="fsdp_bf16 needs parallel='fsdp', got 'ddp'"):
+        wrap_model(model, "ddp", True, False, torch.device("cpu"), 1)
+    assert wrap_model(model, "none", False, False, torch.device("cpu"), 1) is model
+
+
+def test_gradient_sync_does_nothing_to_a_plain_module():
+    model = nn.Linear(2, 2)
+    for last in (False, True):
+        with gradient_sync(model, last):
+            model(torch.ones(1, 2)).sum().backward()
+    torch.testing.assert_close(model.weight.grad, torch.full((2, 2), 2.0))
