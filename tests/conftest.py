@@ -3,12 +3,17 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine: pytest -m gpu)")
+    """``gpu`` tests skip without CUDA, ``multigpu`` tests (NCCL across 2 GPUs) with fewer than
+    2 devices; neither marker implies the other."""
+    gpus = torch.cuda.device_count()
+    needs = {
+        "gpu": (1, "needs CUDA (run on the GPU machine: pytest -m gpu)"),
+        "multigpu": (2, "needs 2 CUDA devices (run on a multi-GPU host: pytest -m multigpu)"),
+    }
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, (count, reason) in needs.items():
+            if gpus < count and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
