@@ -73,6 +73,7 @@ from effdl.parallel.pipeline import (
     simulate_seconds,
     split_sequential,
 )
+from effdl.profiling.timing import synchronize
 
 Group = dist.ProcessGroup | None
 TASK = "parallelism"
@@ -138,6 +139,8 @@ class PipelineConfig:
             raise UsageError(
                 f"--batch {self.batch} is not a multiple of --micro-batches {self.micro_batches}"
             )
+        if self.backend == "nccl" and not self.reference:
+            self.check_gpu_layout(torch.cuda.device_count())
         if self.schedule == "interleaved":
             counts = [self.micro_batches] + (list(self.long_micro_batches) if self.long else [])
             if any(m % self.stages for m in counts):
@@ -145,6 +148,27 @@ class PipelineConfig:
                     f"--schedule interleaved needs micro-batch counts {counts} to be multiples "
                     f"of --stages {self.stages}"
                 )
+
+    def check_gpu_layout(self, gpus: int) -> None:
+        """NCCL refuses two ranks of one communicator on one GPU. Rank r runs on GPU
+        ``r % gpus``: the pipeline's two-rank links then never pair ranks of one GPU, except the
+        interleaved schedule's wrap-around link (last rank to rank 0) when ``stages % gpus ==
+        1``; torch.distributed.pipelining talks over the whole group, so it needs a GPU per
+        stage."""
+        if gpus == 0:
+            raise UsageError("--backend nccl needs CUDA GPUs; this machine has none (use gloo)")
+        if self.compare_torch and self.stages > gpus:
+            raise UsageError(
+                f"--compare-torch with --backend nccl needs a GPU per stage (its schedule talks "
+                f"over the whole group): {self.stages} stages, {gpus} GPUs; use --stages {gpus} "
+                "or --backend gloo"
+            )
+        if gpus == 1 or (self.chunks > 1 and (self.stages - 1) % gpus == 0):
+            raise UsageError(
+                f"--backend nccl: {self.stages} stages on {gpus} GPU(s) put neighbouring stages "
+                "on one GPU, which NCCL refuses; use a stage count that is not 1 more than a "
+                "multiple of the GPU count, or --backend gloo"
+            )
 
 
 FULL = PipelineConfig()
@@ -277,11 +301,6 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak = max(self.peak, self._process.memory_info().rss)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def message_seconds(

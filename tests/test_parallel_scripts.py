@@ -140,3 +140,34 @@ def test_bad_flags_are_refused_in_one_line(tmp_path, monkeypatch, capsys, flags,
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / pipeline_parallel.LOG).exists()
+
+
+@pytest.mark.parametrize(
+    "settings, gpus, message",
+    [
+        ({"stages": 4, "compare_torch": True, "schedule": "gpipe"}, 2, "needs a GPU per stage"),
+        (
+            {"stages": 3, "schedule": "interleaved", "micro_batches": 6, "batch": 60},
+            2,
+            "NCCL refuses",
+        ),
+        ({"stages": 2}, 1, "NCCL refuses"),
+        ({"stages": 2}, 0, "needs CUDA GPUs"),
+    ],
+)
+def test_nccl_layouts_that_share_a_gpu_between_peers_are_refused(settings, gpus, message):
+    cfg = pipeline_parallel.PipelineConfig(backend="nccl", **settings)
+    with pytest.raises(pipeline_parallel.UsageError, match=message):
+        cfg.check_gpu_layout(gpus)
+
+
+@pytest.mark.parametrize(
+    "settings, gpus",
+    [
+        ({"stages": 4, "schedule": "1f1b"}, 2),
+        ({"stages": 4, "schedule": "interleaved"}, 2),
+        ({"stages": 2, "compare_torch": True, "schedule": "1f1b"}, 2),
+    ],
+)
+def test_nccl_layouts_with_peers_on_distinct_gpus_are_accepted(settings, gpus):
+    pipeline_parallel.PipelineConfig(backend="nccl", **settings).check_gpu_layout(gpus)

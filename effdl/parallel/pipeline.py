@@ -16,11 +16,12 @@ rank blocks only on the receive of an input it needs, so a schedule runs without
 when every rank's list respects the data dependencies (:func:`simulate` checks that without
 processes), and 1F1B's memory stays bounded by the number of stages.
 
-Receives are posted ahead (``irecv``): on each link, the next input the schedule will need is
-posted as soon as its buffer's shape is known, so it arrives while the rank computes (gloo
-receives in its background thread) and, under NCCL, the receive does not queue behind the
-compute kernels launched after it was due (a communicator's stream waits for the work already
-on the compute stream when an operation is posted).
+On the CPU, receives are posted ahead (``irecv``): on each link, the next input the schedule
+will need is posted as soon as its buffer's shape is known, so gloo receives it in its
+background thread while the rank computes. On CUDA a receive is posted when its action runs: a
+receive posted ahead is a kernel that spins until its message comes, and any device-wide
+synchronization meanwhile (CUDA's lazy loading of a kernel used for the first time, a
+``cudaFree``) waits for it, while the peer that would send it may be waiting for this rank.
 
 Each direction of each link (activations ``r -> r+1``, gradients ``r+1 -> r``) has its own
 two-rank process group: messages in one group arrive in the order they were sent, and NCCL,
@@ -292,7 +293,8 @@ class PipelineStage:
     ``module`` may be a list or ``nn.ModuleList`` of chunks. All traffic is between neighbouring
     stages, in two-rank groups: under NCCL several ranks may share a GPU provided neighbours
     (``r``, ``r + 1``) do not, since NCCL refuses two ranks of one communicator on the same
-    device.
+    device. ``post_ahead``: post receives ahead (None: on the CPU only, see the module
+    docstring).
     """
 
     def __init__(
@@ -304,6 +306,7 @@ class PipelineStage:
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         device: torch.device | str | None = None,
+        post_ahead: bool | None = None,
     ) -> None:
         if (rank, world) != (dist.get_rank(group), dist.get_world_size(group)):
             raise ValueError(
@@ -324,6 +327,7 @@ class PipelineStage:
                 )
             device = first.device
         self.device = torch.device(device)
+        self.post_ahead = self.device.type == "cpu" if post_ahead is None else post_ahead
         self.last_stats = RunStats()
         ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
         self._global = list(ranks)
@@ -424,7 +428,9 @@ class PipelineStage:
         """On each link with nothing posted, post the receive of the next action that needs
         one, if its buffer can be made: an activation once its chunk's header has come (the
         header itself is received in order, when the action runs), a gradient once the
-        forward whose output it belongs to has run."""
+        forward whose output it belongs to has run. Only where :attr:`post_ahead` is set."""
+        if not self.post_ahead:
+            return
         prev, nxt = (self.rank - 1) % self.world, (self.rank + 1) % self.world
         for link, receivers in self._receivers.items():
             position = self._next_receiver[link]

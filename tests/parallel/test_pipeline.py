@@ -190,6 +190,7 @@ def train_against_reference(
     micro_batches: int,
     optimizer: str,
     device: str = "cpu",
+    post_ahead: bool | None = None,
 ) -> dict:
     """Two optimizer steps through the pipeline and in one process; this rank's parameters of
     both, the losses of both, the peak activations held in flight per step, and the recorded
@@ -203,7 +204,7 @@ def train_against_reference(
     reference_opt = make_optimizer(optimizer, reference.parameters())
     pieces = split_sequential(build_model(world * chunks).to(device), world * chunks)
     mine = [pieces[c * world + rank] for c in range(chunks)]
-    stage = PipelineStage(mine if chunks > 1 else mine[0], rank, world)
+    stage = PipelineStage(mine if chunks > 1 else mine[0], rank, world, post_ahead=post_ahead)
     opt = make_optimizer(optimizer, [p for piece in mine for p in piece.parameters()])
     out = {"loss": [], "reference_loss": [], "peak": []}
     for x, y in batches():
@@ -239,12 +240,19 @@ def assert_timings_follow(timings: tuple[list, float], actions: list) -> None:
         ends.append(end)
 
 
+@pytest.mark.parametrize("post_ahead", [True, False], ids=["posted-ahead", "posted-in-place"])
 @pytest.mark.parametrize(
     "schedule, chunks, micro_batches, optimizer",
     [("gpipe", 1, 8, "sgd"), ("1f1b", 1, 8, "adam"), ("interleaved", 2, 8, "sgd")],
 )
-def test_training_steps_equal_single_process_training(schedule, chunks, micro_batches, optimizer):
-    results = spawn(train_against_reference, STAGES, schedule, chunks, micro_batches, optimizer)
+def test_training_steps_equal_single_process_training(
+    schedule, chunks, micro_batches, optimizer, post_ahead
+):
+    """Receives posted ahead (the CPU's default) and posted when their action runs (CUDA's)."""
+    results = spawn(
+        train_against_reference, STAGES, schedule, chunks, micro_batches, optimizer, "cpu",
+        post_ahead,
+    )  # fmt: skip
     for rank, got in enumerate(results):
         assert len(got["params"]) == len(got["reference_params"]) == 2 * chunks
         for p, q in zip(got["params"], got["reference_params"], strict=True):
