@@ -93,6 +93,7 @@ from effdl.optim.offload import (
     UPDATE_LOCATIONS,
 )
 from effdl.optim.quantized_state import BLOCK_SIZE, num_blocks, quantized_nbytes
+from effdl.profiling.memory import ALLOC_CONF, use_expandable_segments
 from effdl.profiling.memory_budget import (
     ACT_BYTES_PER_TOKEN_LAYER,
     fewest_checkpointed_blocks,
@@ -707,6 +708,7 @@ def run_config(
         "cpu_threads": threads,
         "memory_cap_gib": cfg.memory_cap_gib,
         "host_memory_cap_gib": cfg.host_memory_cap_gib,
+        "cuda_alloc_conf": os.environ.get(ALLOC_CONF, ""),
         "moments": cfg.moments,
         "update_on": cfg.update_on,
         "level": cfg.level,
@@ -1176,6 +1178,8 @@ def run_torchao_peer(
 
 def main() -> None:
     args, cfg = parse_args()
+    # Before CUDA starts: without it the cap counts memory reserved between segments.
+    use_expandable_segments()
     # Every input is checked before the log is opened: a refused run leaves no record.
     model_config = check_model_folder(cfg) or gpt2_config(cfg.size)
     if cfg.peer == "torchao":
