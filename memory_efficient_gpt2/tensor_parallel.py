@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -72,7 +73,7 @@ from effdl.parallel import (
     share_cpu,
     spawn,
 )
-from effdl.profiling.timing import RegionTimer, TimingStats
+from effdl.profiling.timing import RegionTimer, TimingStats, synchronize
 
 TASK = "parallelism"
 LEVELS = ("mlp", "norm", "block")
@@ -108,7 +109,8 @@ class TensorParallelConfig:
     data: Path | None = None
     bench_batch: int = 1024
     bench_width: tuple[int, ...] = (64, 512)  # MLP width -> 4 x width -> width
-    bench_iters: int = 30
+    bench_iters: int = 20  # iterations per timed round
+    bench_rounds: int = 10  # timed rounds per model, alternating, after --warmup rounds
     threads: int = 0  # intra-op threads per rank; 0: available cores // world size
 
     def validate(self) -> None:
@@ -117,7 +119,9 @@ class TensorParallelConfig:
         require_choices(self, "dtype", DTYPES)
         require_choices(self, "activation", ACTIVATIONS)
         require_positive(self, "world_size", "steps", "batch", "hidden", "d_model", "heads")
-        require_positive(self, "sweep_world", "bench_batch", "bench_width", "bench_iters")
+        require_positive(
+            self, "sweep_world", "bench_batch", "bench_width", "bench_iters", "bench_rounds"
+        )
         require_positive(self, "lr", minimum=0)
         require_positive(self, "warmup", "threads", minimum=0)
         if self.warmup >= self.steps:
@@ -133,7 +137,7 @@ class TensorParallelConfig:
 FULL = TensorParallelConfig()
 QUICK = TensorParallelConfig(
     steps=12, batch=64, hidden=32, d_model=16, warmup=2, bench_batch=64, bench_width=(32,),
-    bench_iters=4,
+    bench_iters=2, bench_rounds=2,
 )  # fmt: skip
 
 
@@ -166,7 +170,8 @@ def parse_args() -> tuple[argparse.Namespace, TensorParallelConfig]:
     flags.add("data", type=Path, help="CIFAR-10 python batches; default: scikit-learn digits")
     flags.add("bench_batch", type=int, help="rows of the DTensor comparison's input")
     flags.add("bench_width", nargs="+", type=int)
-    flags.add("bench_iters", type=int)
+    flags.add("bench_iters", type=int, help="iterations per timed round of the DTensor comparison")
+    flags.add("bench_rounds", type=int, help="timed rounds per model of the DTensor comparison")
     flags.add("threads", type=int, help="intra-op threads per rank; 0: cores // world size")
     args = p.parse_args()
     return args, flags.resolve(args)
@@ -399,8 +404,12 @@ def result_metrics(result: TrainResult) -> dict:
 # ------------------------------------------------------------------------------ DTensor bench
 def time_mlps(rank: int, world: int, cfg: TensorParallelConfig, seed: int) -> list[dict]:
     """Forward+backward of ``width -> 4 width -> width`` MLPs (ReLU): ours (ParallelMLP) and
-    torch's ColwiseParallel/RowwiseParallel from the same weights, timed in interleaved rounds
-    so drift of the host hits both alike. One row per width (milliseconds, rank 0's clock)."""
+    torch's ColwiseParallel/RowwiseParallel from the same weights. Each round starts all ranks
+    together (synchronize, barrier) and times ``bench_iters`` iterations of one model by the
+    wall clock until its GPU work is done, so the time holds both ranks' host work and the
+    waits in the collectives (GPU events on one rank would book the other rank's lateness to
+    whichever model's collective absorbs it). Rounds alternate the models. One row per width
+    (milliseconds per iteration, rank 0's clock)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -421,18 +430,21 @@ def time_mlps(rank: int, world: int, cfg: TensorParallelConfig, seed: int) -> li
         theirs = parallelize_module(copy.deepcopy(full), mesh, plan)
         x = torch.randn(cfg.bench_batch, width, device=device, dtype=DTYPES[cfg.dtype])
         models = {"ours": ours, "dtensor": theirs}
-        timers = {name: RegionTimer(device) for name in models}
-        for it in range(cfg.warmup + cfg.bench_iters):
+        times: dict[str, list[float]] = {name: [] for name in models}
+        for rnd in range(cfg.warmup + cfg.bench_rounds):
             for name, model in models.items():
-                model.zero_grad(set_to_none=True)
-                if it >= cfg.warmup:
-                    timers[name].start()
-                model(x).sum().backward()
-                if it >= cfg.warmup:
-                    timers[name].stop()
+                synchronize(device)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(cfg.bench_iters):
+                    model.zero_grad(set_to_none=True)
+                    model(x).sum().backward()
+                synchronize(device)
+                if rnd >= cfg.warmup:
+                    times[name].append((time.perf_counter() - start) / cfg.bench_iters)
         gap = (ours(x) - theirs(x)).abs().max().item()
-        for name, timer in timers.items():
-            stats = asdict(timer.stats())
+        for name, seconds in times.items():
+            stats = TimingStats.from_times(seconds).as_dict()
             ms = {f"fwd_bwd_ms_{k}": v * 1e3 for k, v in stats.items() if k != "n"}
             rows.append({"impl": name, "width": width, **ms, "max_abs_output_diff": gap})
     return rows

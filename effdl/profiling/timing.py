@@ -96,7 +96,8 @@ def median_ratio_ci(
     return lo, hi
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on a CUDA device (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -147,7 +148,7 @@ class RegionTimer:
     def times(self) -> list[float]:
         """Durations of all closed regions, in seconds (synchronizes once on CUDA)."""
         if self._cuda:
-            _synchronize(self.device)
+            synchronize(self.device)
             return [a.elapsed_time(b) / 1e3 for a, b in self._pairs]
         return [b - a for a, b in self._pairs]
 
@@ -178,7 +179,7 @@ def benchmark(
         if setup is not None:
             setup()
         fn()
-    _synchronize(dev)
+    synchronize(dev)
     timer = RegionTimer(dev)
     for _ in range(iters):
         if setup is not None:
