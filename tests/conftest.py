@@ -21,7 +21,9 @@ def _restore_cuda_process_state():
     """Scripts run in-process by GPU tests cap this process's GPU memory
     (``set_per_process_memory_fraction``); the cap would follow into every later test."""
     yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # Not is_available(): it starts the CUDA driver in this process, after which gloo ranks
+    # that spawn() forks fail at torch's CUDA checks (an optimizer step makes one).
+    if torch.cuda.is_initialized():
         for index in range(torch.cuda.device_count()):
             torch.cuda.set_per_process_memory_fraction(1.0, index)
         torch.cuda.empty_cache()
