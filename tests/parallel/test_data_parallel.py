@@ -10,6 +10,8 @@ in another order, and Adam carries the difference into the next step's weights).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -131,20 +133,21 @@ def test_gradient_sync_keeps_ddp_gradients_local_until_the_last_micro_batch():
     assert not torch.allclose(got[0]["ddp_0"], got[1]["ddp_0"])  # the ranks' data differ
 
 
+# The two tests below run in pytest's own process: no autograd there, which on a CUDA host starts
+# the driver, after which the gloo ranks that spawn() forks fail at torch's CUDA checks.
+
+
 def test_wrap_model_refuses_what_it_cannot_do():
-    model = build(torch.device("cpu"))
+    model, cpu = nn.Linear(2, 2), torch.device("cpu")
     with pytest.raises(
         ValueError, match=r"parallel 'zero' is not one of \['none', 'ddp', 'fsdp'\]"
     ):
-        wrap_model(model, "zero", False, False, torch.device("cpu"), 1)
+        wrap_model(model, "zero", False, False, cpu, 1)
     with pytest.raises(ValueError, match="fsdp_bf16 needs parallel='fsdp', got 'ddp'"):
-        wrap_model(model, "ddp", True, False, torch.device("cpu"), 1)
-    assert wrap_model(model, "none", False, False, torch.device("cpu"), 1) is model
+        wrap_model(model, "ddp", True, False, cpu, 1)
+    assert wrap_model(model, "none", False, False, cpu, 1) is model
 
 
 def test_gradient_sync_does_nothing_to_a_plain_module():
-    model = nn.Linear(2, 2)
     for last in (False, True):
-        with gradient_sync(model, last):
-            model(torch.ones(1, 2)).sum().backward()
-    torch.testing.assert_close(model.weight.grad, torch.full((2, 2), 2.0))
+        assert isinstance(gradient_sync(nn.Linear(2, 2), last), nullcontext)
