@@ -93,6 +93,7 @@ class TrainConfig:
     corpus_bytes: int | None = None  # None: the whole stdlib corpus
     cache: Path = DEFAULT_CACHE
     parallel: str = "none"
+    ddp_bucket_mb: float = 200.0  # DDP all-reduce bucket (torch's default is 25 MB)
     workers: int = 2
     log_every: int = 10
     eval_every: int = 0  # 0: no held-out loss
@@ -131,6 +132,7 @@ class TrainConfig:
             minimum=0,
         )
         require_positive(self, "lr", "min_lr", minimum=0)
+        require_positive(self, "ddp_bucket_mb")
         if self.min_lr > self.lr:
             raise UsageError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if self.precision == "fsdp-mp" and (self.parallel != "fsdp" or self.dtype != "bf16"):
@@ -233,6 +235,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("corpus_bytes", type=int, help="cap of the stdlib corpus; None = all of it")
     flags.add("cache", type=Path, help="folder for the corpus parquets and the BPE")
     flags.add("parallel", choices=["none", "ddp", "fsdp"], help="under torchrun for N processes")
+    flags.add("ddp_bucket_mb", type=float, help="MB of gradients per DDP all-reduce")
     flags.add("workers", type=int, help="DataLoader worker processes")
     flags.add("log_every", type=int, help="steps between the host's reads of the GPU")
     flags.add("eval_every", type=int, help="steps between held-out losses; 0 = off")
@@ -402,7 +405,10 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
     if cfg.profile and not cfg.compile:
         lm_setup.add_profile_ranges(model)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
-    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world)
+    model = wrap_model(
+        model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world,
+        bucket_cap_mb=cfg.ddp_bucket_mb,
+    )  # fmt: skip
     model.train()
     make_opt = partial(
         lm_setup.make_optimizer,
