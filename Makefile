@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PIP    := $(PY) -m pip --quiet --no-cache-dir
 RUNS   := runs
 
-.PHONY: demo test test-gpu lint reports reports-commit clean \
+.PHONY: demo test test-gpu gpu-check lint reports reports-commit clean \
         demo-task1 demo-task2 demo-task3 demo-gpt2 demo-swiglu demo-lm demo-parallel
 
 # No pip cache: it would keep a second copy of every wheel (several GB with torch's CUDA packages).
@@ -25,6 +25,10 @@ test: $(STAMP)
 # On the GPU machine (torch preinstalled there): PYTHONPATH=. python3 -m pytest -m gpu
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
+
+# Every README GPU command, briefly, on the GPUs this host has: the system Python, no venv.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --out $(RUNS)/acceptance $(GPU_CHECK_FLAGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

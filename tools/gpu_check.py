@@ -1,0 +1,272 @@
+"""GPU acceptance check: the short form of every README GPU command, on the GPUs this host has.
+
+Each command of tools/gpu_commands.py whose GPU count is met runs as its own process group
+under its own time limit, with the repository on PYTHONPATH and NVLink multicast off (NCCL NVLS,
+torch symmetric memory, NVSHMEM), logging to its own folder under a fresh ``--out/<time>/``.
+After each command a record (exit code, seconds, headline figure) is appended to
+``gpu_check.jsonl`` there; the end prints one table. A command is skipped, not started, when
+its time limit no longer fits ``--budget-s``, when its GPUs are missing, an optional module is
+absent or the command it reads from did not pass. ``--with-tests`` then runs the GPU tests, under
+a limit of their own. Exit code 1 if any command failed or timed out.
+
+    python3 tools/gpu_check.py                      # everything this host can run
+    python3 tools/gpu_check.py --only gpt2 --budget-s 120
+    python3 tools/gpu_check.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import importlib.util
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gpu_commands import COMMANDS, ROOT, GpuCommand, Headline
+
+sys.path.insert(0, str(ROOT))  # effdl from this checkout, installed or not
+from effdl.cli import format_table
+from effdl.results import RunLog, read_records
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+TESTS = "python3 -m pytest -m gpu -q -x"
+TESTS_LIMIT_S = 420  # DESIGN.md: the GPU tests take at most 6 minutes on one H100
+KILL_GRACE_S = 10  # between SIGTERM and SIGKILL of a command's process group
+TAIL_LINES = 15  # of a failed command's output, printed
+
+
+@dataclass
+class Outcome:
+    """How one command ended."""
+
+    name: str
+    status: str  # ok | failed | timeout | skipped
+    exit_code: int | None = None
+    seconds: float = 0.0
+    headline: float | None = None
+    unit: str = ""
+    note: str = ""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/acceptance"), help="logs go to OUT/<time>/"
+    )
+    p.add_argument(
+        "--only", metavar="SUBSTRING", help="the commands whose name or README line has it"
+    )
+    p.add_argument("--list", action="store_true", help="print the commands and exit")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="skip a command whose time limit no longer fits in this many seconds")  # fmt: skip
+    p.add_argument("--with-tests", action="store_true",
+                   help=f"then `{TESTS}` (limit {TESTS_LIMIT_S} s, outside the budget)")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def selected(only: str | None) -> list[GpuCommand]:
+    if only is None:
+        return list(COMMANDS)
+    return [c for c in COMMANDS if only in c.name or only in c.command]
+
+
+def print_list(commands: Sequence[GpuCommand]) -> None:
+    width = max(len(c.name) for c in commands)
+    print(f"{'name':{width}}  gpus  limit_s  short form")
+    for c in commands:
+        print(f"{c.name:{width}}  {c.min_gpus:4}  {c.limit_s:7}  {c.check}")
+    for gpus in (1, 2):
+        total = sum(c.limit_s for c in commands if c.min_gpus <= gpus)
+        print(f"sum of limits with {gpus} GPU{'s' if gpus > 1 else ''}: {total} s")
+
+
+def argv_of(line: str, folders: dict[str, Path]) -> list[str]:
+    """A short form's argv: placeholders filled, python3/torchrun run by this Python."""
+    words = shlex.split(line.format(**{k: str(v) for k, v in folders.items()}))
+    if words[0] in ("python", "python3"):
+        return [sys.executable, *words[1:]]
+    if words[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    raise ValueError(f"{line!r}: expected python3 or torchrun")
+
+
+def child_env() -> dict[str, str]:
+    env = {**os.environ, **MULTICAST_OFF}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill(pid: int, sig: int, group: bool = False) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already
+        (os.killpg if group else os.kill)(pid, sig)
+
+
+def run_process(argv: list[str], limit_s: float, log: Path) -> tuple[int | None, float]:
+    """Run ``argv`` in a process group of its own, output to ``log``; (exit code or None on
+    timeout, seconds). On a timeout the group gets SIGTERM, then it and every process the
+    command started (torchrun puts its ranks in sessions of their own) SIGKILL; after any end,
+    what is left of the group (loader workers) goes too."""
+    start = time.monotonic()
+    with log.open("w", encoding="utf-8") as f:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            code = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            tree = descendants(proc.pid)
+            kill(proc.pid, signal.SIGTERM, group=True)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=KILL_GRACE_S)
+            for pid in tree:
+                kill(pid, signal.SIGKILL)
+            code = None
+        kill(proc.pid, signal.SIGKILL, group=True)
+        proc.wait()
+    return code, time.monotonic() - start
+
+
+def read_headline(folder: Path, headline: Headline) -> float | None:
+    """``headline.metric`` of the last matching record in the run logs under ``folder``."""
+    value = None
+    for path in sorted(folder.glob("**/*.jsonl")):
+        for rec in read_records(path):
+            v = rec["metrics"].get(headline.metric)
+            if fnmatch.fnmatchcase(rec["variant"], headline.variant) and _is_number(v):
+                value = v * headline.scale
+    return value
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def skip_reason(c: GpuCommand, gpus: int, left_s: float, done: dict[str, Outcome]) -> str:
+    if c.min_gpus > gpus:
+        return f"needs {c.min_gpus} GPUs"
+    missing = [m for m in c.requires if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"no module {', '.join(missing)}"
+    if c.after is not None and (c.after not in done or done[c.after].status != "ok"):
+        return f"needs {c.after} to pass first"
+    if c.limit_s > left_s:
+        return f"limit {c.limit_s} s > {left_s:.0f} s of budget left"
+    return ""
+
+
+def run_command(c: GpuCommand, run_dir: Path, cache: Path) -> Outcome:
+    out = run_dir / c.name
+    argv = argv_of(c.check, {"out": out, "run": run_dir, "cache": cache})
+    code, seconds = run_process(argv, c.limit_s, run_dir / f"{c.name}.log")
+    status = "timeout" if code is None else "ok" if code == 0 else "failed"
+    outcome = Outcome(c.name, status, code, seconds)
+    if c.headline is not None and out.is_dir():
+        outcome.headline, outcome.unit = read_headline(out, c.headline), c.headline.unit
+    return outcome
+
+
+def run_tests(run_dir: Path) -> Outcome:
+    code, seconds = run_process(argv_of(TESTS, {}), TESTS_LIMIT_S, run_dir / "pytest-gpu.log")
+    status = "timeout" if code is None else "ok" if code == 0 else "failed"
+    return Outcome("pytest-gpu", status, code, seconds)
+
+
+def record(log: RunLog, outcome: Outcome, config: dict) -> None:
+    metrics = {"status": outcome.status, "exit_code": outcome.exit_code,
+               "seconds": outcome.seconds, "headline": outcome.headline,
+               "headline_unit": outcome.unit, "note": outcome.note}  # fmt: skip
+    log.log(outcome.name, config, metrics)
+
+
+def report(outcome: Outcome, run_dir: Path) -> None:
+    """One line per finished command; the tail of its output when it did not pass."""
+    figure = "" if outcome.headline is None else f", {outcome.headline:.4g} {outcome.unit}"
+    note = f" ({outcome.note})" if outcome.note else ""
+    print(f"  {outcome.status}{note}: {outcome.seconds:.1f} s{figure}", flush=True)
+    output = run_dir / f"{outcome.name}.log"
+    if outcome.status in ("failed", "timeout") and output.exists():
+        lines = output.read_text(encoding="utf-8", errors="replace").splitlines()
+        print("\n".join(f"    | {line}" for line in lines[-TAIL_LINES:]), flush=True)
+
+
+def table_row(o: Outcome) -> dict:
+    figure = "" if o.headline is None else f"{o.headline:.4g} {o.unit}"
+    return {"command": o.name, "status": o.status,
+            "exit": "" if o.exit_code is None else str(o.exit_code),
+            "seconds": f"{o.seconds:.1f}", "headline": figure, "note": o.note}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    commands = selected(args.only)
+    if not commands:
+        print(f"no command matches --only {args.only!r}", file=sys.stderr)
+        return 2
+    if args.list:
+        print_list(commands)
+        return 0
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print("no CUDA device: the GPU check needs one", file=sys.stderr)
+        return 2
+    run_dir = args.out / time.strftime("%Y%m%dT%H%M%S")
+    run_dir.mkdir(parents=True)
+    log = RunLog(run_dir / "gpu_check.jsonl", task="gpu_check", create=True)
+    print(f"{gpus} GPU(s): {log.env['gpu']}; logs in {run_dir}", flush=True)
+    done: dict[str, Outcome] = {}
+    start = time.monotonic()
+    for c in commands:
+        left_s = args.budget_s - (time.monotonic() - start)
+        reason = skip_reason(c, gpus, left_s, done)
+        print(f"[{c.name}] {f'skipped: {reason}' if reason else c.check}", flush=True)
+        if reason:
+            done[c.name] = Outcome(c.name, "skipped", note=reason)
+        else:
+            done[c.name] = run_command(c, run_dir, args.out / "cache")
+            report(done[c.name], run_dir)
+        config = {"command": c.check, "readme_command": c.command, "limit_s": c.limit_s}
+        record(log, done[c.name], {**config, "gpus": gpus})
+    if args.with_tests:
+        print(f"[pytest-gpu] {TESTS}", flush=True)
+        done["pytest-gpu"] = run_tests(run_dir)
+        report(done["pytest-gpu"], run_dir)
+        record(log, done["pytest-gpu"], {"command": TESTS, "limit_s": TESTS_LIMIT_S, "gpus": gpus})
+    outcomes = list(done.values())
+    print()
+    print(format_table([table_row(o) for o in outcomes]))
+    bad = [o.name for o in outcomes if o.status in ("failed", "timeout")]
+    skipped = sum(o.status == "skipped" for o in outcomes)
+    print(f"\n{len(outcomes) - len(bad) - skipped} passed, {len(bad)} failed or timed out, "
+          f"{skipped} skipped, {time.monotonic() - start:.0f} s; log: {log.path}")  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
