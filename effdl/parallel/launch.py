@@ -38,10 +38,11 @@ class RankFailedError(RuntimeError):
 def _start_method(backend: str) -> str:
     # fork: children need no re-import of torch or of ``fn``'s module (seconds per process).
     # A forked child cannot use CUDA once the parent has touched the driver (even a device
-    # count does), so NCCL, and any parent that initialised CUDA, get spawn.
+    # count does, and a CPU optimizer step asks whether CUDA is capturing), so NCCL, and any
+    # machine with a GPU, get spawn.
     if (
         backend == "gloo"
-        and not torch.cuda.is_initialized()
+        and torch.cuda.device_count() == 0
         and "fork" in mp.get_all_start_methods()
     ):
         return "fork"

@@ -287,20 +287,6 @@ def test_one_f_one_b_outstanding_sends_do_not_grow_with_micro_batches():
         assert 0 < few == many <= 2 * STAGES, f"rank {rank}"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="neighbouring stages need 2 GPUs")
-@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2)])
-def test_nccl_four_stages_on_shared_gpus_equal_single_process_training(schedule, chunks):
-    results = spawn(
-        train_against_reference, STAGES, schedule, chunks, 8, "adam", "cuda", backend="nccl"
-    )
-    for rank, got in enumerate(results):
-        for p, q in zip(got["params"], got["reference_params"], strict=True):
-            torch.testing.assert_close(p, q, **F64_TOL, msg=f"rank {rank}")
-        assert got["loss"] == pytest.approx(got["reference_loss"], rel=1e-12)
-        assert_timings_follow(got["timings"], SCHEDULES[schedule](STAGES, 8, rank, chunks))
-
-
 def refusals(rank: int, world: int) -> list[str]:
     """The error messages of misuse, in the order of ``test_misuse_is_refused_in_words``."""
     single_threaded()

@@ -156,17 +156,6 @@ def test_transformer_block_equals_the_encoder_layer(world):
             torch.testing.assert_close(got, expected, **F64_TOL, msg=what)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
-def test_nccl_on_two_gpus_equals_the_single_process_module():
-    for rank_pairs in spawn(
-        compare_with_reference, 2, ["mlp", "gathered", "norm", *BLOCK_KINDS], "cuda", backend="nccl"
-    ):
-        assert len(rank_pairs) == 20 + 2 * 14
-        for what, got, expected in rank_pairs:
-            torch.testing.assert_close(got, expected, **F64_TOL, msg=what)
-
-
 def refusals(rank: int, world: int) -> list[str]:
     """The error message of each misuse, in the order of ``test_misuse_is_refused_in_words``."""
     attempts = [
