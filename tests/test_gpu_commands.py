@@ -198,6 +198,44 @@ def test_skips_for_gpus_budget_dependency_and_optional_modules():
     assert check.skip_reason(optional, 1, 480, {}) == "no module no_such_module_here"
 
 
+FAKE = """import json, sys, time
+from pathlib import Path
+from effdl.results import RunLog
+out, what = Path(sys.argv[2]), sys.argv[3]
+if what == "ok":
+    RunLog(out / "fake.jsonl", task="fake").log("fake_summary", {}, {"step_s": 0.002})
+if what == "fail":
+    sys.exit(3)
+if what == "hang":
+    time.sleep(60)
+"""
+
+
+def test_a_check_runs_records_and_fails_on_a_failure(tmp_path, monkeypatch, capsys):
+    (tmp_path / "fake.py").write_text(FAKE)
+    fake = f"python3 {tmp_path / 'fake.py'} --out {{out}}"
+    step_ms = commands.Headline("*_summary", "step_s", "ms", 1e3)
+    listed = [
+        commands.GpuCommand("ok", "python3 fake.py", f"{fake} ok", 30, step_ms),
+        commands.GpuCommand("fail", "python3 fake.py", f"{fake} fail", 30, step_ms),
+        commands.GpuCommand("hang", "python3 fake.py", f"{fake} hang", 1, None),
+        commands.GpuCommand("two", "python3 fake.py", f"{fake} ok", 1, None, min_gpus=2),
+        commands.GpuCommand("late", "python3 fake.py", f"{fake} ok", 1000, None),
+    ]
+    monkeypatch.setattr(check, "COMMANDS", listed)
+    monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 1)
+    assert check.main(["--out", str(tmp_path / "acceptance"), "--budget-s", "100"]) == 1
+    (log,) = (tmp_path / "acceptance").glob("*/gpu_check.jsonl")
+    records = {r["variant"]: r["metrics"] for r in map(json.loads, log.read_text().splitlines())}
+    assert {k: r["status"] for k, r in records.items()} == {
+        "ok": "ok", "fail": "failed", "hang": "timeout", "two": "skipped", "late": "skipped"
+    }  # fmt: skip
+    assert records["ok"]["headline"] == 2.0 and records["ok"]["headline_unit"] == "ms"
+    assert records["fail"]["exit_code"] == 3 and records["fail"]["headline"] is None
+    assert records["two"]["note"] == "needs 2 GPUs"
+    assert "1 passed, 2 failed or timed out, 2 skipped" in capsys.readouterr().out
+
+
 def test_list_prints_every_command_and_the_sums(capsys):
     assert check.main(["--list"]) == 0
     out = capsys.readouterr().out
