@@ -315,3 +315,16 @@ def run_main(main: Callable[[], int | None]) -> None:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(code or 0)
+
+
+AUTO = "auto"
+
+
+def int_or_auto(text: str) -> int | str:
+    """An argparse type: ``auto`` (a setting decided later, for the device) or an integer."""
+    return text if text == AUTO else int(text)
+
+
+def decide_auto(value: Any, decided: Any) -> Any:
+    """``decided`` where ``value`` is ``"auto"``, else ``value`` as the user gave it."""
+    return decided if value == AUTO else value

@@ -97,6 +97,17 @@ class GPTLikeConfig:
             )
 
 
+SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_length")
+
+
+def config_from_sizes(sizes: object, vocab_size: int, **overrides: object) -> GPTLikeConfig:
+    """A GPTLikeConfig whose :data:`SIZE_FIELDS` are read from ``sizes`` (a script's config with
+    attributes of those names) and whose vocabulary is the tokenizer's; ``overrides`` set any
+    other field (``dropout=0.0`` where seeds should change only the init)."""
+    fields = {name: getattr(sizes, name) for name in SIZE_FIELDS}
+    return GPTLikeConfig(vocab_size=vocab_size, **fields, **overrides)
+
+
 class GPTLikeModel(nn.Module):
     """Decoder-only LM: ``forward(input_ids, padding_mask) -> logits`` of shape (B, T, V).
 
