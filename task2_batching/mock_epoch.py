@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import pipeline_runs as runs
 import torch
 from tqdm import tqdm
 
@@ -36,7 +35,8 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.models.gpt_like import GPTLikeModel, matmul_flops_per_token
+from effdl.data import pipeline_runs as runs
+from effdl.models.gpt_like import GPTLikeModel, config_from_sizes, matmul_flops_per_token
 from effdl.profiling.epoch import EpochTiming, time_epoch
 from effdl.profiling.timing import TimingStats, benchmark
 
@@ -310,7 +310,7 @@ def main() -> None:
     )
     corpus = runs.load_corpus(args, cfg.max_length, overflow=cfg.overflow)
     print(corpus.describe())
-    model = GPTLikeModel(runs.model_config(cfg, len(corpus.vocab))).to(run.device).eval()
+    model = GPTLikeModel(config_from_sizes(cfg, len(corpus.vocab))).to(run.device).eval()
     autocast = forward_precision(run.device, cfg.dtype)
 
     yardsticks = time_dense(model, cfg, run.device, autocast)

@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-import pipeline_runs as runs
 import torch
 from tqdm import tqdm
 
@@ -34,7 +33,13 @@ from effdl.cli import (
     seed_everything,
     start_run,
 )
-from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel, matmul_flops_per_token
+from effdl.data import pipeline_runs as runs
+from effdl.models.gpt_like import (
+    GPTLikeConfig,
+    GPTLikeModel,
+    config_from_sizes,
+    matmul_flops_per_token,
+)
 from effdl.models.lm_objective import LMInputs, lm_cross_entropy, lm_inputs, next_token_labels
 from effdl.profiling.timing import peak_memory, take_peak_memory
 
@@ -222,7 +227,7 @@ def main() -> None:
     corpus = runs.load_corpus(args, cfg.max_length, max_size=cfg.max_vocab)
     print(corpus.describe())
     require_epochs(cfg, corpus)
-    model_cfg = runs.model_config(cfg, len(corpus.vocab))
+    model_cfg = config_from_sizes(cfg, len(corpus.vocab))
     warm_up(cfg, model_cfg, run, autocast)
     rows = train_pipelines(cfg, corpus, model_cfg, run, autocast)
     title = f"Training on {cfg.token_budget:,} real tokens, {cfg.dtype}, on {run.where}"

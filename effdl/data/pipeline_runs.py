@@ -1,6 +1,6 @@
-"""What mock_epoch.py and train_pipelines.py share: one run of the GPT-like LM over each batching
-pipeline. The config fields both take, their flags and checks, the device-dependent defaults,
-the corpus and the model."""
+"""Runs of the GPT-like LM over each batching pipeline, as the batching benchmarks make them: the
+config fields they share, their flags and checks, the device-dependent defaults, the corpus and
+each variant's DataLoader."""
 
 from __future__ import annotations
 
@@ -12,25 +12,21 @@ import torch
 from torch.utils.data import DataLoader
 
 from effdl.cli import (
+    AUTO,
     ConfigFlags,
     Run,
     UsageError,
     add_text_corpus_args,
     base_parser,
+    decide_auto,
+    int_or_auto,
     require_choices,
     require_positive,
 )
 from effdl.data.corpus import CorpusFormatError
 from effdl.data.pipelines import PIPELINES, make_loader
 from effdl.data.tokenize import TokenizedCorpus, Vocab, prepare_wikitext_ids
-from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
-
-AUTO = "auto"
-
-
-def int_or_auto(text: str) -> int | str:
-    """An argparse type: ``auto`` or an integer."""
-    return text if text == AUTO else int(text)
+from effdl.models.gpt_like import GPTLikeModel
 
 
 @dataclass
@@ -86,9 +82,11 @@ def pipeline_parser(
 def for_device(cfg: PipelineRunConfig, device: torch.device) -> PipelineRunConfig:
     """``cfg`` with its ``"auto"`` fields decided for ``device``."""
     cuda = device.type == "cuda"
-    dtype = cfg.dtype if cfg.dtype != AUTO else ("bf16" if cuda else "fp32")
-    workers = cfg.workers if cfg.workers != AUTO else (6 if cuda else 0)
-    return replace(cfg, dtype=dtype, workers=workers)
+    return replace(
+        cfg,
+        dtype=decide_auto(cfg.dtype, "bf16" if cuda else "fp32"),
+        workers=decide_auto(cfg.workers, 6 if cuda else 0),
+    )
 
 
 @dataclass(frozen=True)
@@ -101,6 +99,7 @@ class Corpus:
     prep_s: float
 
     def describe(self) -> str:
+        """One line for the console: the corpus, its size and what preparing it took."""
         return (
             f"corpus: {self.source}: {len(self.ids):,} samples, {self.ids.n_tokens:,} tokens, "
             f"vocab {len(self.vocab):,} ({self.prep_s:.1f} s to read/generate + tokenize)"
@@ -127,24 +126,13 @@ def load_corpus(args: argparse.Namespace, max_length: int, **options: object) ->
     return Corpus(ids, vocab, source, time.perf_counter() - start)
 
 
-def model_config(cfg: PipelineRunConfig, vocab_size: int) -> GPTLikeConfig:
-    """The LM's sizes from ``cfg`` (dropout as GPTLikeConfig's default)."""
-    return GPTLikeConfig(
-        vocab_size=vocab_size,
-        d_model=cfg.d_model,
-        n_heads=cfg.n_heads,
-        n_layers=cfg.n_layers,
-        d_ff=cfg.d_ff,
-        max_length=cfg.max_length,
-    )
-
-
 def variants(cfg: PipelineRunConfig) -> list[tuple[str, int | None]]:
     """``(pipeline, k)`` of every run: each ``k`` for ``"ultra"``, ``None`` for the others."""
     return [(p, k) for p in cfg.pipelines for k in (cfg.ks if p == "ultra" else [None])]
 
 
 def variant_name(pipeline: str, k: int | None) -> str:
+    """The log's variant name of a run: the pipeline, with ``_k<k>`` for ULTRA's spans."""
     return pipeline if k is None else f"{pipeline}_k{k}"
 
 
