@@ -20,7 +20,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 # On the GPU machine (torch preinstalled there): PYTHONPATH=. python3 -m pytest -m gpu
 test-gpu: $(STAMP)
