@@ -1,7 +1,7 @@
 """One epoch of ViT training on Clothing, then one validation pass: the course's pipeline as given
 or fixed (seed 000, Task 3), timed and logged.
 
-``--pipeline`` picks the preset (vit_pipeline.py lists what differs); every other flag overrides
+``--pipeline`` picks the preset (effdl.vit_pipeline lists what differs); every other flag overrides
 one setting, so each fix can be measured alone. Measured: the epoch's wall time (train +
 validation) and images/s over it, the host's wait for every batch against the device time of
 every step (CUDA events), peak GPU memory of each pass, and loss/accuracy (validation both as
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import math
 
-import vit_pipeline as vp
-
+import effdl.vit_pipeline as vp
 from effdl.cli import Run, print_table, run_main, start_run
 from effdl.profiling.timing import TimingStats
 

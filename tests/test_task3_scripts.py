@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from effdl.cli import UsageError
+from effdl.data.clothing import DeviceNormalize, fixed_transforms
 from effdl.results import read_records
+from effdl.vit_pipeline.profiling import agreement
 from tests.script_loading import load_script as load_task_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +78,7 @@ def test_augmix_moves_from_the_train_transforms_to_the_device():
     device = torch.device("cpu")
     on_device = dataclasses.replace(vp.FIXED, augmix_on="device")
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
-    normalize = vp.DeviceNormalize(device)
+    normalize = DeviceNormalize(device)
     # validation batches are only normalised; training batches are augmented first
     assert torch.equal(
         vp.input_transform(on_device, device, train=False)(images), normalize(images)
@@ -86,7 +88,7 @@ def test_augmix_moves_from_the_train_transforms_to_the_device():
     assert augmented.shape == images.shape and not torch.equal(augmented, normalize(images))
     for place, has_augmix in (("device", False), ("loader", True)):
         cfg = dataclasses.replace(vp.FIXED, augmix_on=place)
-        train_t = vp.fixed_transforms(augmix=cfg.augmix_on == "loader")[0]
+        train_t = fixed_transforms(augmix=cfg.augmix_on == "loader")[0]
         assert any(type(t).__name__ == "AugMix" for t in train_t.transforms) == has_augmix
 
 
@@ -286,7 +288,6 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
 
 
 def test_layer_agreement_counts_modules_over_1_ms_within_10_percent():
-    profile_model = load_script("profile_model")
     rows = [
         {
             "torch_fwd_ms": 2.0,
@@ -307,7 +308,7 @@ def test_layer_agreement_counts_modules_over_1_ms_within_10_percent():
             "key_averages_ratio": None,
         },
     ]
-    agreed = profile_model.agreement(rows)
+    agreed = agreement(rows)
     assert (agreed["modules_over_min_kernels"], agreed["within_kernels"]) == (2, 1)
     assert agreed["share_within_kernels"] == 0.5
     assert (agreed["modules_over_min_key_averages"], agreed["share_within_key_averages"]) == (
