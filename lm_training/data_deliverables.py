@@ -17,7 +17,6 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-import lm_data
 import torch
 from torch.utils.data import DataLoader
 
@@ -25,6 +24,7 @@ from effdl.cli import ConfigFlags, base_parser, print_table, require_positive, r
 from effdl.data.labels import IGNORE_INDEX
 from effdl.data.parquet import CollatorForCLM, IterableParquetDataset, ParquetDataset
 from effdl.data.stdlib_text import DEFAULT_CACHE
+from effdl.lm import data as lm_data
 from effdl.models.llama import PRESETS, build_on_meta, count_parameters
 
 TASK = "lm_training"

@@ -1,7 +1,7 @@
 """The LM speed-up study: the GPT-like LM trained stage by stage, from a first attempt to torch.compile.
 
 Stage 0 is fp32, BRAIN padding and a loop with planted inefficiencies; every later stage adds
-one fix (``lm_training/stage_steps.py`` lists them). All stages train the same seeded model on
+one fix (``effdl.lm.stages`` lists them). All stages train the same seeded model on
 the same documents per step (the same real tokens; padding never counts) for the same number of
 steps: ``--warmup-steps`` untimed, then the timed steps, then ``--profile-steps`` under
 torch.profiler (a gzipped Chrome trace per stage in ``--trace-dir``, Perfetto-viewable).
@@ -21,18 +21,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
-import itertools
-import json
 import re
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
-import lm_data
 import numpy as np
-import stage_steps as st
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -50,13 +43,14 @@ from effdl.cli import (
 from effdl.data.parquet import read_text_column
 from effdl.data.stdlib_text import DEFAULT_CACHE
 from effdl.data.tokenize import TokenizedCorpus, encode_with_tokenizer
+from effdl.lm import data as lm_data
+from effdl.lm import stages as st
 from effdl.models.gpt_like import GPTLikeConfig
-from effdl.profiling.timing import peak_memory
+from effdl.profiling.kernel_split import read_trace_events, step_breakdown
+from effdl.profiling.timing import RegionTimer, peak_memory
 
 TASK = "lm_training"
 LOG = "speedup_stages.jsonl"
-KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 @dataclass(frozen=True)
@@ -215,79 +209,7 @@ def load_data(cfg: StudyConfig, seed: int) -> StudyData:
     )
 
 
-# ------------------------------------------------------------------------ timing and traces
-class StepClock:
-    """Step boundaries: CUDA events on the current stream (no host sync: the GPU's own pace,
-    its idle waits for the host included) or ``perf_counter`` on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._marks: list[Any] = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._marks.append(ev)
-        else:
-            self._marks.append(time.perf_counter())
-
-    def durations(self) -> list[float]:
-        """Seconds between consecutive marks (synchronizes once on CUDA)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self._marks)]
-        return [b - a for a, b in itertools.pairwise(self._marks)]
-
-
-def _busy(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``(start, end)`` intervals."""
-    total, reach = 0.0, -np.inf
-    for a, b in sorted(intervals):
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total
-
-
-def step_breakdown(trace: dict, n_steps: int) -> dict[str, Any]:
-    """Per-step seconds from a Chrome trace of ``n_steps`` steps run in ``step`` ranges.
-
-    ``host``: wall time the training thread spent in each of :data:`stage_steps.RANGES`, and
-    ``host_gap`` = the rest of the step (logging, syncs, Python between the ranges).
-    ``device`` (None without GPU events): kernel and copy time launched from inside each range
-    (by the launch's time stamp, so backward kernels launched by autograd's thread count for
-    ``backward``), and ``device_idle`` = step wall time minus the device's busy time."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    spans = {name: [] for name in (*st.RANGES, "step")}
-    for e in events:
-        if e.get("cat") == "user_annotation" and e["name"] in spans:
-            spans[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
-    per_step = 1e-6 / n_steps
-    host = {name: sum(b - a for a, b in spans[name]) * per_step for name in st.RANGES}
-    step_s = sum(b - a for a, b in spans["step"]) * per_step
-    host["host_gap"] = step_s - sum(host.values())
-    launches = {
-        e["args"]["correlation"]: e["ts"]
-        for e in events
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
-    }
-    kernels = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
-    if not kernels:
-        return {"step_s": step_s, "host": host, "device": None}
-    device = dict.fromkeys(st.RANGES, 0.0)
-    for k in kernels:
-        launched = launches.get(k.get("args", {}).get("correlation"))
-        for name in st.RANGES:
-            if launched is not None and any(a <= launched <= b for a, b in spans[name]):
-                device[name] += k["dur"] * per_step
-                break
-    device["device_idle"] = step_s - _busy([(k["ts"], k["ts"] + k["dur"]) for k in kernels]) * (
-        per_step
-    )
-    return {"step_s": step_s, "host": host, "device": device}
-
-
+# ----------------------------------------------------------------------------------- traces
 def profiled_steps(
     batches, parts: st.StepParts, losses: st.LossLog, first: int, n: int, trace: Path
 ) -> dict:
@@ -304,8 +226,7 @@ def profiled_steps(
             torch.cuda.synchronize()
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
-    with gzip.open(trace, "rt", encoding="utf-8") as f:
-        return step_breakdown(json.load(f), n)
+    return step_breakdown(read_trace_events(trace), n, st.RANGES)
 
 
 # ---------------------------------------------------------------------------------- stages
@@ -328,16 +249,16 @@ def run_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run, trace_dir
     losses = st.LossLog(stage.loss_read_once)
     for step in range(cfg.warmup_steps):
         losses.add(step, st.train_step(batches, parts)[0])
-    clock = StepClock(run.device)
+    # CUDA events, no host sync: the GPU's own pace, its idle waits for the host included
+    timer = RegionTimer(run.device)
     slots = []
     with peak_memory(run.device) as mem:
-        clock.mark()
         for step in range(cfg.warmup_steps, cfg.warmup_steps + cfg.timed_steps):
-            loss, n_slots = st.train_step(batches, parts)
-            losses.add(step, loss)
+            with timer.region():
+                loss, n_slots = st.train_step(batches, parts)
+                losses.add(step, loss)
             slots.append(n_slots)
-            clock.mark()
-        step_s = clock.durations()
+        step_s = timer.times()
     trace = trace_dir / f"{st.stage_name(index)}.json.gz"
     first = cfg.warmup_steps + cfg.timed_steps
     breakdown = profiled_steps(batches, parts, losses, first, cfg.profile_steps, trace)

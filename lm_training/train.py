@@ -21,18 +21,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
-import lm_data
-import lm_setup
-import pyarrow.parquet as pq
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
 from effdl.cli import (
@@ -47,12 +40,22 @@ from effdl.cli import (
     seed_everything,
     start_run,
 )
-from effdl.data.labels import IGNORE_INDEX
-from effdl.data.parquet import TEXT_COLUMN, as_encoder
-from effdl.data.stdlib_text import DEFAULT_CACHE, token_counts, unigram_entropy
-from effdl.models.llama import PRESETS, TransformerModelArgs
-from effdl.optim import MasterWeights, warmup_cosine_lr
-from effdl.parallel import gradient_sync, wrap_model
+from effdl.data.stdlib_text import DEFAULT_CACHE
+from effdl.lm import data as lm_data
+from effdl.lm.build import (
+    ATTENTION_BACKENDS,
+    build_model,
+    llama_args,
+    optimizer_and_clip,
+    select_attention,
+)
+from effdl.lm.loss import accumulated_backward, evaluate, token_loss_sum
+from effdl.lm.processes import Dist, setup_distributed, teardown_distributed
+from effdl.lm.throughput import PendingSteps, Rates, measured_bf16_ceiling, summarize
+from effdl.lm.tracing import add_profile_ranges, profiled
+from effdl.models.llama import PRESETS
+from effdl.optim import warmup_cosine_lr
+from effdl.parallel import wrap_model
 from effdl.profiling.flops import llama_train_flops_per_token, peak_bf16_tflops
 from effdl.profiling.kernel_split import kernel_split, read_trace_events
 from effdl.profiling.timing import RegionTimer, take_peak_memory
@@ -61,7 +64,6 @@ from effdl.results import RunLog
 TASK = "lm_training"
 LOG = "lm_training.jsonl"
 TABLE = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_gib")
-SUMMARY = ("tokens_per_s", "tflops", "mfu", "mfu_measured", "step_s", "peak_gib")
 PRECISIONS = ("autocast", "master", "fsdp-mp")
 
 
@@ -82,7 +84,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
     fused_optimizer: bool = False
     compile: bool = False
-    attention: str = "auto"  # SDPA backend (lm_setup.ATTENTION_BACKENDS)
+    attention: str = "auto"  # SDPA backend (effdl.lm.build.ATTENTION_BACKENDS)
     dtype: str = "bf16"
     precision: str = "autocast"
     dataset: str = "iterable"
@@ -106,32 +108,14 @@ class TrainConfig:
     def validate(self) -> None:
         require_choices(self, "model", PRESETS)
         require_choices(self, "dtype", ("bf16", "fp32"))
-        require_choices(self, "attention", lm_setup.ATTENTION_BACKENDS)
+        require_choices(self, "attention", ATTENTION_BACKENDS)
         require_choices(self, "precision", PRECISIONS)
         require_choices(self, "dataset", ("iterable", "padded"))
         require_choices(self, "parallel", ("none", "ddp", "fsdp"))
-        require_positive(
-            self,
-            "sequence_length",
-            "batch_size",
-            "grad_accumulation",
-            "steps",
-            "log_every",
-            "eval_batches",
-            "profile_steps",
-            "bpe_vocab",
-        )
-        require_positive(
-            self,
-            "warmup_steps",
-            "weight_decay",
-            "grad_clip",
-            "workers",
-            "eval_every",
-            "timing_warmup",
-            minimum=0,
-        )
-        require_positive(self, "lr", "min_lr", minimum=0)
+        require_positive(self, "sequence_length", "batch_size", "grad_accumulation", "steps")
+        require_positive(self, "log_every", "eval_batches", "profile_steps", "bpe_vocab")
+        require_positive(self, "warmup_steps", "weight_decay", "grad_clip", "workers", minimum=0)
+        require_positive(self, "eval_every", "timing_warmup", "lr", "min_lr", minimum=0)
         require_positive(self, "ddp_bucket_mb")
         if self.min_lr > self.lr:
             raise UsageError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
@@ -213,9 +197,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
         "(effdl.ops.fused_adamw)",
     )
     flags.add("compile", action="store_true", help="torch.compile each block and the loss")
-    flags.add(
-        "attention", choices=lm_setup.ATTENTION_BACKENDS, help="SDPA backend; auto = torch's choice"
-    )
+    flags.add("attention", choices=ATTENTION_BACKENDS, help="SDPA backend; auto = torch's choice")
     flags.add("dtype", choices=["bf16", "fp32"], help="compute dtype; master weights stay fp32")
     flags.add(
         "precision",
@@ -248,180 +230,61 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     return args, flags.resolve(args)
 
 
-# ----------------------------------------------------------------------------------- pieces
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy in fp32 over labels that are not ``IGNORE_INDEX``."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
-def model_args(cfg: TrainConfig, tokenizer_vocab: int) -> TransformerModelArgs:
-    args = dataclasses.replace(PRESETS[cfg.model], seq_len=cfg.sequence_length)
-    if cfg.vocab_size is not None:
-        args = dataclasses.replace(args, vocab_size=cfg.vocab_size)
-    if tokenizer_vocab > args.vocab_size:
-        raise UsageError(
-            f"the tokenizer has {tokenizer_vocab} tokens, more than --model {cfg.model}'s "
-            f"vocabulary of {args.vocab_size}: use --vocab-size or a smaller --bpe-vocab"
-        )
-    return args
-
-
-def reference_entropy(path: Path, tokenizer, vocab: int, max_docs: int = 2000) -> float:
-    """Unigram entropy (nats/token) of the first ``max_docs`` documents of ``path``."""
-    first = next(pq.ParquetFile(path).iter_batches(batch_size=max_docs, columns=[TEXT_COLUMN]))
-    texts = first.column(TEXT_COLUMN).to_pylist()
-    return unigram_entropy(token_counts(as_encoder(tokenizer), texts, vocab))
-
-
-def all_reduce_sum(t: torch.Tensor, d: lm_setup.Dist) -> torch.Tensor:
-    if d.world > 1:
-        dist.all_reduce(t)
-    return t
-
-
-@torch.no_grad()
-def evaluate(model, batches, compute, loss_fn, d: lm_setup.Dist) -> float:
-    """Mean held-out loss per label token over all ranks' batches (one host read)."""
-    total = torch.zeros(2, device=d.device, dtype=torch.float64)
-    for x, y in batches:
-        x, y = x.to(d.device), y.to(d.device)
-        with compute:
-            logits = model(x)
-        total[0] += loss_fn(logits, y).double()
-        total[1] += (y != IGNORE_INDEX).sum()
-    loss, count = all_reduce_sum(total, d).tolist()
-    return loss / count
-
-
-@dataclass(frozen=True)
-class Rates:
-    """What turns a step time into throughput: tokens per step (all ranks), FLOPs per token,
-    the processes, and the two yardsticks (TFLOP/s per GPU; None where unknown)."""
-
-    tokens_per_step: int
-    flops_per_token: float
-    world: int
-    peak_tflops: float | None
-    ceiling_tflops: float | None
-
-    def metrics(self, step_s: float) -> dict:
-        tokens_per_s = self.tokens_per_step / step_s
-        tflops = self.flops_per_token * tokens_per_s / self.world / 1e12
-        return {
-            "step_s": step_s,
-            "tokens_per_s": tokens_per_s,
-            "tflops": tflops,
-            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
-            "mfu_measured": tflops / self.ceiling_tflops if self.ceiling_tflops else None,
-        }
-
-
-def summarize(rows: list[dict], skip: int) -> dict:
-    """Medians of the throughput metrics past the first ``skip`` steps, the largest peak memory."""
-    timed = rows[skip:]
-    out = {"timed_steps": len(timed)}
-    for key in SUMMARY:
-        values = [r[key] for r in timed if r[key] is not None and not math.isnan(r[key])]
-        out[key] = (
-            (max(values) if key == "peak_gib" else statistics.median(values)) if values else None
-        )
-    out["final_loss"] = rows[-1]["loss"]
-    return out
-
-
 # ----------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
     args, cfg = parse_args(argv)
     if args.quick and args.device == "auto":
         args.device = "cpu"
-    d = lm_setup.setup_distributed(cfg.parallel, args.device)
+    d = setup_distributed(cfg.parallel, args.device)
     finished = False
     try:
         train(args, cfg, d)
         finished = True
     finally:
-        lm_setup.teardown_distributed(finished)
+        teardown_distributed(finished)
 
 
-def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
+def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
     log: RunLog | None = start_run(args, TASK, LOG).log if d.main else None
     seed_everything(args.seed)
     cuda = d.device.type == "cuda"
 
     # data and tokenizer: built once by rank 0, then read by all
-    if d.main:
-        source = lm_data.resolve_data(cfg.data, cfg.eval_data, cfg.cache, cfg.corpus_bytes)
-        tok_dir = cfg.tokenizer or lm_data.default_tokenizer(
-            cfg.cache, cfg.corpus_bytes, cfg.bpe_vocab
-        )
-    if d.world > 1:
-        dist.barrier()
-    if not d.main:
-        source = lm_data.resolve_data(cfg.data, cfg.eval_data, cfg.cache, cfg.corpus_bytes)
-        tok_dir = cfg.tokenizer or lm_data.default_tokenizer(
-            cfg.cache, cfg.corpus_bytes, cfg.bpe_vocab
-        )
+    source, tok_dir = lm_data.resolve_text(
+        cfg.data, cfg.eval_data, cfg.tokenizer, cfg.cache, cfg.corpus_bytes, cfg.bpe_vocab,
+        main=d.main, world=d.world,
+    )  # fmt: skip
     tokenizer, specials = lm_data.load_tokenizer(tok_dir)
-    margs = model_args(cfg, tokenizer.get_vocab_size())
+    margs = llama_args(cfg.model, cfg.sequence_length, cfg.vocab_size, tokenizer.get_vocab_size())
     if cfg.eval_every and source.val is None:
         raise UsageError(
             "--eval-every needs held-out text: give --eval-data (or use the default corpus)"
         )
     micro_batches = lm_data.train_loader(
-        source,
-        tokenizer,
-        specials,
-        dataset=cfg.dataset,
-        seq_len=cfg.sequence_length,
-        batch_size=cfg.batch_size,
-        samples=cfg.steps * cfg.grad_accumulation * cfg.batch_size * d.world,
-        rank=d.rank,
-        world=d.world,
-        seed=args.seed,
-        workers=cfg.workers,
-        pin_memory=cuda,
-    )
-    held_out = (
-        lm_data.eval_batches(
-            source.val,
-            tokenizer,
-            specials,
-            seq_len=cfg.sequence_length,
-            batch_size=cfg.batch_size,
-            n_batches=cfg.eval_batches,
-            rank=d.rank,
-            world=d.world,
-        )
-        if cfg.eval_every
-        else []
-    )
+        source, tokenizer, specials, dataset=cfg.dataset, seq_len=cfg.sequence_length,
+        batch_size=cfg.batch_size, samples=cfg.steps * cfg.grad_accumulation * cfg.batch_size * d.world,
+        rank=d.rank, world=d.world, seed=args.seed, workers=cfg.workers, pin_memory=cuda,
+    )  # fmt: skip
+    held_out = lm_data.eval_batches(
+        source.val, tokenizer, specials, seq_len=cfg.sequence_length, batch_size=cfg.batch_size,
+        n_batches=cfg.eval_batches, rank=d.rank, world=d.world,
+    ) if cfg.eval_every else []  # fmt: skip
 
     # model, optimizer, compute mode
-    lm_setup.select_attention(cfg.attention)
-    model = lm_setup.build_model(margs, d.device, args.seed)
+    select_attention(cfg.attention)
+    model = build_model(margs, d.device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.profile and not cfg.compile:
-        lm_setup.add_profile_ranges(model)
+        add_profile_ranges(model)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
     model = wrap_model(
         model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world,
         bucket_cap_mb=cfg.ddp_bucket_mb,
     )  # fmt: skip
     model.train()
-    make_opt = partial(
-        lm_setup.make_optimizer,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        fused=cfg.fused_optimizer,
+    opt, clip = optimizer_and_clip(
+        model, cfg.precision, cfg.lr, cfg.weight_decay, cfg.fused_optimizer
     )
-    if cfg.precision == "master":
-        opt = MasterWeights(model, make_opt, torch.bfloat16)
-        clip = opt.clip_grad_norm_  # applied inside the update's pass
-    else:
-        opt = make_opt(model.parameters())
-        clip = partial(torch.nn.utils.clip_grad_norm_, list(model.parameters()))
     autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"
     compute = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast)
     loss_fn = torch.compile(token_loss_sum) if cfg.compile else token_loss_sum
@@ -432,7 +295,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
         flops_per_token=llama_train_flops_per_token(margs, cfg.sequence_length),
         world=d.world,
         peak_tflops=peak_bf16_tflops(gpu) if gpu else None,
-        ceiling_tflops=lm_setup.measured_bf16_ceiling(gpu),
+        ceiling_tflops=measured_bf16_ceiling(gpu),
     )
     variant = cfg.variant(d.world)
     config = {
@@ -449,7 +312,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
         "measured_bf16_tflops": rates.ceiling_tflops,
     }
     if log is not None:
-        entropy = reference_entropy(source.val or source.train, tokenizer, margs.vocab_size)
+        entropy = lm_data.reference_entropy(source.val or source.train, tokenizer, margs.vocab_size)
         log.log(
             f"{variant}_data",
             config,
@@ -457,30 +320,11 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
         )
 
     timer = RegionTimer(d.device)
-    pending: list[dict] = []
+    pending = PendingSteps(rates, timer, d)
     rows: list[dict] = []
     trace = Path(args.out) / f"trace_{variant}_rank{d.rank}.json"
 
-    def flush() -> None:
-        """Read the pending steps' values in one copy and log them (rank 0)."""
-        local = torch.stack([torch.stack([p.pop("loss"), p.pop("label_tokens")]) for p in pending])
-        norms = torch.stack([p.pop("grad_norm") for p in pending]).tolist()
-        losses = all_reduce_sum(local, d).tolist()
-        times = timer.times()[-len(pending) :]
-        for p, (loss, labels), norm, step_s in zip(pending, losses, norms, times, strict=True):
-            row = {
-                **p,
-                "loss": loss,
-                "label_tokens": int(labels),
-                "grad_norm": norm,
-                **rates.metrics(step_s),
-            }
-            rows.append(row)
-            if log is not None:
-                log.log(variant, config, row)
-        pending.clear()
-
-    with lm_setup.profiled(
+    with profiled(
         cfg.profile, cfg.timing_warmup, cfg.profile_steps, trace, d.device
     ) as profiler_step:
         for step in range(cfg.steps):
@@ -497,16 +341,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
                 ]
             data_s = time.perf_counter() - wait
             # the step's loss is a mean over the label tokens of all ranks and micro-batches
-            n_labels = all_reduce_sum(sum((y != IGNORE_INDEX).sum() for _, y in batch).float(), d)
-            loss_sum = torch.zeros((), device=d.device)
-            for i, (x, y) in enumerate(batch):
-                with gradient_sync(model, i == len(batch) - 1):
-                    with compute:
-                        logits = model(x)
-                    part = loss_fn(logits, y)
-                    # DDP and FSDP average gradients over ranks: undo it to get the global sum
-                    (part * (d.world / n_labels)).backward()
-                loss_sum += part.detach()
+            loss_sum, n_labels = accumulated_backward(model, batch, compute, loss_fn, d)
             grad_norm = clip(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
@@ -514,20 +349,19 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: lm_setup.Dist) -> None:
                 opt.step()
                 opt.zero_grad()
             timer.stop()
-            pending.append(
-                {
-                    "step": step,
-                    "lr": lr,
-                    "loss": loss_sum / n_labels,
-                    "label_tokens": n_labels,
-                    "grad_norm": grad_norm.detach().float(),
-                    "data_s": data_s,
-                    "peak_gib": take_peak_memory(d.device),
-                }
-            )
+            host = {
+                "step": step,
+                "lr": lr,
+                "data_s": data_s,
+                "peak_gib": take_peak_memory(d.device),
+            }
+            pending.add(host, loss_sum / n_labels, n_labels, grad_norm.detach().float())
             profiler_step()
             if (step + 1) % cfg.log_every == 0 or step == cfg.steps - 1:
-                flush()
+                for row in pending.flush():  # the host's one read of these steps' values
+                    rows.append(row)
+                    if log is not None:
+                        log.log(variant, config, row)
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
                 val = evaluate(model, held_out, compute, loss_fn, d)
                 if log is not None:

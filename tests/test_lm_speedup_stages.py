@@ -1,21 +1,20 @@
-"""lm_training/speedup_stages.py: cumulative stages, the same real tokens in every step, the
-padded and the packed first step against each other in fp32, the trace breakdown on a
-hand-made trace, and a --quick run's records."""
+"""lm_training/speedup_stages.py and its stages (effdl.lm.stages): cumulative stages, the same
+real tokens in every step, the padded and the packed first step against each other in fp32,
+and a --quick run's records."""
 
 import dataclasses
 import gzip
 import json
 
 import numpy as np
-import pytest
 import torch
 
+from effdl.lm import stages as st
 from effdl.models.gpt_like import GPTLikeConfig
 from effdl.results import read_records
 from tests.script_loading import load_script
 
 study = load_script("lm_training", "speedup_stages")
-st = study.st
 FLAGS = [name for name, _ in st.STAGE_FLAGS]
 
 
@@ -70,33 +69,6 @@ def test_padded_and_packed_first_step_losses_agree_in_fp32():
         losses.append(st.train_step(batches, parts)[0])
     assert losses[0].dtype == torch.float32
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
-
-
-def test_breakdown_attributes_kernels_to_the_range_that_launched_them():
-    def span(name, ts, dur, cat="user_annotation", **args):
-        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}
-
-    trace = {
-        "traceEvents": [
-            span("step", 0, 100),
-            span("data_wait", 0, 10),
-            span("forward", 10, 30),
-            span("backward", 40, 40),
-            span("optimizer", 80, 15),
-            span("cudaLaunchKernel", 20, 1, cat="cuda_runtime", correlation=1),
-            span("cudaLaunchKernel", 50, 1, cat="cuda_runtime", correlation=2),
-            span("gemm", 25, 20, cat="kernel", correlation=1),
-            span("gemm_bwd", 45, 30, cat="kernel", correlation=2),  # overlaps the first
-        ]
-    }
-    out = study.step_breakdown(trace, n_steps=1)
-    assert out["step_s"] == pytest.approx(100e-6)
-    assert out["host"]["forward"] == pytest.approx(30e-6)
-    assert out["host"]["host_gap"] == pytest.approx(5e-6)
-    assert out["device"]["forward"] == pytest.approx(20e-6)
-    assert out["device"]["backward"] == pytest.approx(30e-6)
-    assert out["device"]["optimizer"] == 0
-    assert out["device"]["device_idle"] == pytest.approx(50e-6)  # busy 25..75
 
 
 def test_quick_run_writes_one_record_per_stage(tmp_path):

@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from effdl.cli import UsageError
+from effdl.lm import data as lm_data
+from effdl.lm.build import select_attention
+from effdl.lm.throughput import CEILINGS, Rates, measured_bf16_ceiling
 from effdl.results import read_records
 from tests.script_loading import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 train = load_script("lm_training", "train")
-lm_data, lm_setup = train.lm_data, train.lm_setup
 QUICK_BYTES = 1 << 20
 
 
@@ -68,7 +70,7 @@ def test_variant_names_the_settings():
 
 
 def test_rates_by_hand():
-    rates = train.Rates(
+    rates = Rates(
         tokens_per_step=8192, flops_per_token=6e9, world=2, peak_tflops=1000.0, ceiling_tflops=None
     )
     m = rates.metrics(0.5)
@@ -79,10 +81,10 @@ def test_rates_by_hand():
 
 def test_measured_ceiling_comes_from_the_committed_log():
     name = "NVIDIA H100 80GB HBM3"
-    records = read_records(lm_setup.CEILINGS / "h100_ceilings.jsonl")
+    records = read_records(CEILINGS / "h100_ceilings.jsonl")
     best = max(r["metrics"]["tflops"] for r in records if r["variant"] == "matmul_bf16")
-    assert lm_setup.measured_bf16_ceiling(name) == best
-    assert lm_setup.measured_bf16_ceiling("Some Other GPU") is None
+    assert measured_bf16_ceiling(name) == best
+    assert measured_bf16_ceiling("Some Other GPU") is None
 
 
 @pytest.mark.parametrize("dataset", ["iterable", "padded"])
@@ -333,12 +335,10 @@ def test_layer_norm_benchmark_quick_logs_every_shape_and_refuses_bad_flags(tmp_p
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
 def test_attention_backend_gives_the_same_output_as_torch_chooses(backend):
     """select_attention restricts SDPA to one backend; its output equals auto's (bf16 tolerance)."""
-    import lm_setup
-
     q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     try:
-        lm_setup.select_attention(backend)
+        select_attention(backend)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     finally:
         for enable in ("flash", "cudnn", "mem_efficient", "math"):

@@ -1,4 +1,5 @@
-"""The training script's data: which corpus and tokenizer, and per-rank batches of next-token pairs.
+"""The data of an LM training run: which corpus and tokenizer, and per-rank batches of
+next-token pairs.
 
 Default data is the Python standard library corpus (effdl.data.stdlib_text) with its own BPE;
 ``--data`` takes a parquet with a ``text`` column (as seed 002's) or a UTF-8 text file (one
@@ -20,18 +21,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from effdl.cli import UsageError
 from effdl.data.corpus import CorpusFormatError
 from effdl.data.parquet import (
+    TEXT_COLUMN,
     CollatorForCLM,
     IterableParquetDataset,
     ParquetDataset,
+    as_encoder,
     read_text_column,
 )
-from effdl.data.stdlib_text import content_hash, stdlib_bpe, stdlib_corpus, write_text_parquet
+from effdl.data.stdlib_text import (
+    content_hash,
+    stdlib_bpe,
+    stdlib_corpus,
+    token_counts,
+    unigram_entropy,
+    write_text_parquet,
+)
 from effdl.data.tokenize import load_hf_tokenizer
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (B, S) int64
@@ -94,6 +106,42 @@ def resolve_data(
 def default_tokenizer(cache_dir: Path, corpus_bytes: int | None, vocab_size: int) -> Path:
     """The byte-level BPE trained on the stdlib corpus (built once in ``cache_dir``)."""
     return stdlib_bpe(stdlib_corpus(cache_dir, max_bytes=corpus_bytes), vocab_size)
+
+
+def resolve_text(
+    data: Path | None,
+    eval_data: Path | None,
+    tokenizer: Path | None,
+    cache_dir: Path,
+    corpus_bytes: int | None,
+    bpe_vocab: int,
+    *,
+    main: bool,
+    world: int,
+) -> tuple[DataSource, Path]:
+    """The data source and the tokenizer folder (``tokenizer``, or the stdlib BPE of
+    ``bpe_vocab`` tokens). Rank 0 builds the cached corpus and BPE first, the other ranks then
+    read them (a barrier in between), so no two processes write one file."""
+
+    def resolve() -> tuple[DataSource, Path]:
+        source = resolve_data(data, eval_data, cache_dir, corpus_bytes)
+        return source, tokenizer or default_tokenizer(cache_dir, corpus_bytes, bpe_vocab)
+
+    if main:
+        found = resolve()
+    if world > 1:
+        dist.barrier()
+    if not main:
+        found = resolve()
+    return found
+
+
+def reference_entropy(path: Path, tokenizer: Any, vocab: int, max_docs: int = 2000) -> float:
+    """Unigram entropy (nats/token) of the first ``max_docs`` documents of ``path``: the loss of
+    a model that knows the token frequencies only."""
+    first = next(pq.ParquetFile(path).iter_batches(batch_size=max_docs, columns=[TEXT_COLUMN]))
+    texts = first.column(TEXT_COLUMN).to_pylist()
+    return unigram_entropy(token_counts(as_encoder(tokenizer), texts, vocab))
 
 
 def load_tokenizer(folder: Path) -> tuple[Any, Specials]:

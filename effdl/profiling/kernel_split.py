@@ -4,14 +4,17 @@ Where a training step's GPU time goes, in a few kinds (GEMM, attention, fused el
 that torch.compile generated, the optimizer, the loss, copies, the rest), read from the kernel
 names: enough to say how far the GEMMs run from the GPU's GEMM ceiling and what the other kernels
 cost around them. Kernels named like none of the kinds count as "other elementwise". Also the
-kernel time of one profiler range with each kernel counted once (:func:`launched_kernel_us`).
+kernel time of one profiler range with each kernel counted once (:func:`launched_kernel_us`),
+and a step's host and device time split by its named ranges (:func:`step_breakdown`).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ OTHER = "other elementwise"
 # launched kernels again, beside the op that launched them, so sums over a range count them twice
 LAUNCH_STALL = "Command Buffer Full"
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 def kernel_kind(name: str) -> str:
@@ -85,3 +89,53 @@ def kernel_split(events: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
             {"name": n, "kind": kernel_kind(n), "ms": v / 1e3} for n, v in by_name.most_common(top)
         ],
     }
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def step_breakdown(
+    events: list[dict[str, Any]], n_steps: int, ranges: Sequence[str]
+) -> dict[str, Any]:
+    """Per-step seconds from the ``traceEvents`` of a Chrome trace of ``n_steps`` steps, each run
+    in a ``step`` range (a ``record_function``) that holds the named ``ranges``.
+
+    ``host``: wall time the training thread spent in each of ``ranges``, and ``host_gap`` = the
+    rest of the step (logging, syncs, Python between the ranges). ``device`` (None without GPU
+    events): kernel and copy time launched from inside each range (by the launch's time stamp,
+    so backward kernels launched by autograd's thread count for the range that ran backward),
+    and ``device_idle`` = step wall time minus the device's busy time."""
+    events = [e for e in events if e.get("ph") == "X"]
+    spans: dict[str, list[tuple[float, float]]] = {name: [] for name in (*ranges, "step")}
+    for e in events:
+        if e.get("cat") == "user_annotation" and e["name"] in spans:
+            spans[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
+    per_step = 1e-6 / n_steps
+    host = {name: sum(b - a for a, b in spans[name]) * per_step for name in ranges}
+    step_s = sum(b - a for a, b in spans["step"]) * per_step
+    host["host_gap"] = step_s - sum(host.values())
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    kernels = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
+    if not kernels:
+        return {"step_s": step_s, "host": host, "device": None}
+    device = dict.fromkeys(ranges, 0.0)
+    for k in kernels:
+        launched = launches.get(k.get("args", {}).get("correlation"))
+        for name in ranges:
+            if launched is not None and any(a <= launched <= b for a, b in spans[name]):
+                device[name] += k["dur"] * per_step
+                break
+    busy = _busy([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    device["device_idle"] = step_s - busy * per_step
+    return {"step_s": step_s, "host": host, "device": device}

@@ -1,4 +1,4 @@
-"""kernel_split against sums worked out by hand on a small trace."""
+"""kernel_split and step_breakdown against sums worked out by hand on small traces."""
 
 import gzip
 import json
@@ -12,6 +12,7 @@ from effdl.profiling.kernel_split import (
     kernel_split,
     launched_kernel_us,
     read_trace_events,
+    step_breakdown,
 )
 
 
@@ -76,3 +77,43 @@ def test_range_kernel_time_counts_a_stalled_launch_once():
     mm = SimpleNamespace(name="aten::mm", kernels=[k(duration=300.0)], cpu_children=[])
     module = SimpleNamespace(name="module: block: Attention", kernels=[], cpu_children=[norm, mm])
     assert launched_kernel_us(module) == 1000.0
+
+
+def test_breakdown_attributes_kernels_to_the_range_that_launched_them():
+    def span(name, ts, dur, cat="user_annotation", **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        span("step", 0, 100),
+        span("data_wait", 0, 10),
+        span("forward", 10, 30),
+        span("backward", 40, 40),
+        span("optimizer", 80, 15),
+        span("cudaLaunchKernel", 20, 1, cat="cuda_runtime", correlation=1),
+        span("cudaLaunchKernel", 50, 1, cat="cuda_runtime", correlation=2),
+        span("gemm", 25, 20, cat="kernel", correlation=1),
+        span("gemm_bwd", 45, 30, cat="kernel", correlation=2),  # overlaps the first
+    ]
+    ranges = ("data_wait", "to_device", "forward", "backward", "optimizer")
+    out = step_breakdown(events, n_steps=1, ranges=ranges)
+    assert out["step_s"] == pytest.approx(100e-6)
+    assert out["host"]["forward"] == pytest.approx(30e-6)
+    assert out["host"]["to_device"] == 0
+    assert out["host"]["host_gap"] == pytest.approx(5e-6)
+    assert out["device"]["forward"] == pytest.approx(20e-6)
+    assert out["device"]["backward"] == pytest.approx(30e-6)
+    assert out["device"]["optimizer"] == 0
+    assert out["device"]["device_idle"] == pytest.approx(50e-6)  # busy 25..75
+
+
+def test_breakdown_without_gpu_events_has_no_device_part():
+    events = [
+        {"ph": "X", "name": "step", "cat": "user_annotation", "ts": 0, "dur": 40},
+        {"ph": "X", "name": "forward", "cat": "user_annotation", "ts": 0, "dur": 30},
+        {"ph": "X", "name": "step", "cat": "user_annotation", "ts": 50, "dur": 60},
+        {"ph": "X", "name": "forward", "cat": "user_annotation", "ts": 50, "dur": 50},
+    ]
+    out = step_breakdown(events, n_steps=2, ranges=("forward",))
+    assert out["device"] is None
+    assert out["step_s"] == pytest.approx(50e-6)
+    assert out["host"] == pytest.approx({"forward": 40e-6, "host_gap": 10e-6})

@@ -1,0 +1,89 @@
+"""The Llama of an LM training run on its device, its attention backend and its optimizer.
+
+Parallelism stays out of the model: the Llama from effdl.models.llama is built on the meta
+device and materialised on every rank with the same seed (so every rank starts from the same
+weights as a single process would); effdl.parallel.wrap_model then compiles it block by block
+and wraps it in DDP or shards it with FSDP2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import torch
+from torch import nn
+
+from effdl.cli import UsageError
+from effdl.models.llama import (
+    PRESETS,
+    Transformer,
+    TransformerModelArgs,
+    build_on_meta,
+    materialize,
+)
+from effdl.optim import MasterWeights
+
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def llama_args(
+    preset: str, seq_len: int, vocab_size: int | None, tokenizer_vocab: int
+) -> TransformerModelArgs:
+    """The shape ``preset`` at ``seq_len``, with ``vocab_size`` if given (None: the preset's).
+    Refuses a vocabulary smaller than the tokenizer's, naming the flags that fix it."""
+    args = dataclasses.replace(PRESETS[preset], seq_len=seq_len)
+    if vocab_size is not None:
+        args = dataclasses.replace(args, vocab_size=vocab_size)
+    if tokenizer_vocab > args.vocab_size:
+        raise UsageError(
+            f"the tokenizer has {tokenizer_vocab} tokens, more than --model {preset}'s "
+            f"vocabulary of {args.vocab_size}: use --vocab-size or a smaller --bpe-vocab"
+        )
+    return args
+
+
+def build_model(args: TransformerModelArgs, device: torch.device, seed: int) -> Transformer:
+    """The model on the meta device, then materialised on ``device`` in fp32 with ``seed``."""
+    model = build_on_meta(args)
+    torch.manual_seed(seed)
+    return materialize(model, device, torch.float32)
+
+
+def make_optimizer(
+    params: Iterable[torch.Tensor], lr: float, weight_decay: float, fused: bool
+) -> torch.optim.AdamW:
+    """AdamW (betas 0.9/0.95) with weight decay on matrices only (not on norm gains).
+    ``fused``: one kernel per parameter group for the whole update instead of torch's default
+    multi-tensor (foreach) kernels per operation."""
+    params = [p for p in params if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+
+
+def optimizer_and_clip(
+    model: nn.Module, precision: str, lr: float, weight_decay: float, fused: bool
+) -> tuple[torch.optim.Optimizer | MasterWeights, Callable[[float], torch.Tensor]]:
+    """The optimizer of :func:`make_optimizer` and the gradient clipping that goes with it
+    (``clip(max_norm)`` returns the total norm). ``precision == "master"``: bf16 parameters
+    over fp32 masters (effdl.optim.MasterWeights), clipped inside the update's pass."""
+    make = partial(make_optimizer, lr=lr, weight_decay=weight_decay, fused=fused)
+    if precision == "master":
+        opt = MasterWeights(model, make, torch.bfloat16)
+        return opt, opt.clip_grad_norm_
+    return make(model.parameters()), partial(nn.utils.clip_grad_norm_, list(model.parameters()))
+
+
+def select_attention(backend: str) -> None:
+    """Restrict ``F.scaled_dot_product_attention`` to one backend, process-wide ("auto": torch's
+    own choice). Set before the first forward, so compiled blocks trace with it."""
+    if backend == "auto":
+        return
+    torch.backends.cuda.enable_flash_sdp(backend == "flash")
+    torch.backends.cuda.enable_cudnn_sdp(backend == "cudnn")
+    torch.backends.cuda.enable_mem_efficient_sdp(backend == "efficient")
+    torch.backends.cuda.enable_math_sdp(backend == "math")
