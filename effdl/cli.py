@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import random
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from effdl.results import RunLog
+from effdl.results import RunLog, new_run_id
 
 C = TypeVar("C")
 
@@ -261,14 +259,16 @@ def start_run(
     device = device_from_arg(arg)
     seed_everything(args.seed)
     names = [logs] if isinstance(logs, str) else list(logs)
+    run_id = new_run_id()
     opened = {}
     for name in names:
         path = Path(args.out) / name
         try:
-            opened[Path(name).stem] = RunLog(path, task=task, create=True)
+            opened[Path(name).stem] = RunLog(
+                path, task=task, create=True, run_id=run_id, seed=args.seed
+            )
         except OSError as e:
             raise UsageError(f"--out: cannot write {path} ({e.strerror or e})") from None
-    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     return Run(device=device, logs=opened, run_id=run_id, seed=args.seed, out=Path(args.out))
 
 

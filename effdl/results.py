@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import subprocess
 import warnings
 from collections.abc import Mapping
@@ -139,21 +140,51 @@ def append_record(path: str | os.PathLike, record: Mapping[str, Any]) -> None:
         os.close(fd)
 
 
-class RunLog:
-    """Appends records of one task to one JSONL file, taking the environment once per run.
+def new_run_id() -> str:
+    """A run's identity: UTC time, process id and a random part (two runs started in the same
+    second by one process still differ)."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{os.getpid()}-{secrets.token_hex(3)}"
 
-    With ``create`` the file (and its folders) is created now, so a path that cannot be written
-    raises OSError before the run's work rather than at its first record.
+
+def probe_writable(path: Path) -> None:
+    """Raise OSError unless ``path`` (a file, its folders created) can be written, leaving no
+    file behind: a run refused after the probe leaves no empty log."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.close(fd)
+    path.unlink()
+
+
+class RunLog:
+    """Appends records of one task to one JSONL file, taking the environment once per run; every
+    record's ``env`` carries ``run_id`` (one per run, :func:`new_run_id` by default) and
+    ``seed``, so runs appended to one file stay apart.
+
+    With ``create`` the path is probed now (:func:`probe_writable`), so a path that cannot be
+    written raises OSError before the run's work; the file appears with the first record.
     """
 
-    def __init__(self, path: str | os.PathLike, task: str, *, create: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        task: str,
+        *,
+        create: bool = False,
+        run_id: str | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.path = Path(path)
         self.task = task
-        self.env = environment()
+        self.env = {**environment(), "run_id": run_id or new_run_id(), "seed": seed}
         if create:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8"):
-                pass
+            probe_writable(self.path)
 
     def log(self, variant: str, config: Mapping[str, Any], metrics: Mapping[str, Any]) -> dict:
         record = make_record(self.task, variant, config, metrics, self.env)
@@ -210,9 +241,10 @@ def load_results(
     """Every record under ``folder`` as a DataFrame.
 
     With ``flatten`` the nested sections become columns ``config.x``, ``metrics.y``, ``env.z``;
-    a column ``source`` names the file each row came from. An empty or missing folder raises
-    FileNotFoundError, so a report never silently shows an empty table. A damaged last line of
-    a file is skipped with a warning naming file and line (:func:`read_records`).
+    a column ``source`` names the file each row came from. A missing folder, or one whose logs
+    hold no record, raises FileNotFoundError, so a report never silently shows an empty table.
+    A damaged last line of a file is skipped with a warning naming file and line
+    (:func:`read_records`).
     """
     folder = Path(folder)
     files = sorted(folder.glob(pattern)) if folder.is_dir() else []
@@ -224,6 +256,8 @@ def load_results(
             row = _flatten(rec) if flatten else dict(rec)
             row["source"] = str(file.relative_to(folder))
             rows.append(row)
+    if not rows:
+        raise FileNotFoundError(f"the run logs matching {pattern!r} under {folder} hold no records")
     return pd.DataFrame(rows)
 
 

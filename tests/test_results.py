@@ -150,14 +150,27 @@ def test_environment_sha_override(monkeypatch):
     assert environment()["git_sha"] == "abc123"
 
 
-def test_runlog_create_makes_the_file_at_once(tmp_path):
+def test_runlog_create_probes_the_path_and_leaves_no_empty_file(tmp_path):
     path = tmp_path / "deep" / "r.jsonl"
-    RunLog(path, task="demo", create=True)
-    assert path.exists() and path.read_text() == ""
+    log = RunLog(path, task="demo", create=True)
+    assert path.parent.is_dir() and not path.exists()
+    log.log("v", {}, {"x": 1})
+    assert len(read_records(path)) == 1
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OSError):
         RunLog(blocker / "r.jsonl", task="demo", create=True)
+    with pytest.raises(OSError):
+        RunLog(tmp_path / "deep", task="demo", create=True)  # a folder where the file goes
+
+
+def test_two_runs_into_one_log_are_told_apart_by_run_id_and_seed(tmp_path):
+    path = tmp_path / "r.jsonl"
+    for seed in (0, 1):
+        RunLog(path, task="demo", seed=seed).log("same_variant", {}, {"loss": 1.0})
+    envs = [r["env"] for r in read_records(path)]
+    assert [e["seed"] for e in envs] == [0, 1]
+    assert envs[0]["run_id"] != envs[1]["run_id"]
 
 
 def _append_many(args):
@@ -180,3 +193,9 @@ def test_processes_appending_to_one_log_at_once_leave_only_whole_lines(tmp_path)
     for w in range(4):
         mine = [r["config"]["i"] for r in records if r["variant"] == f"w{w}"]
         assert mine == list(range(100))
+
+
+def test_logs_without_records_are_an_error_not_an_empty_table(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError, match="hold no records"):
+        load_results(tmp_path)
