@@ -45,7 +45,7 @@ from effdl.data.stdlib_text import DEFAULT_CACHE
 from effdl.data.tokenize import TokenizedCorpus, encode_with_tokenizer
 from effdl.lm import data as lm_data
 from effdl.lm import stages as st
-from effdl.models.gpt_like import GPTLikeConfig
+from effdl.models.gpt_like import config_from_sizes
 from effdl.profiling.kernel_split import read_trace_events, step_breakdown
 from effdl.profiling.timing import RegionTimer, peak_memory
 
@@ -91,17 +91,6 @@ class StudyConfig:
                 f"--steps {self.steps} leaves no timed step after --warmup-steps "
                 f"{self.warmup_steps} and --profile-steps {self.profile_steps}"
             )
-
-    def model_config(self, vocab_size: int) -> GPTLikeConfig:
-        return GPTLikeConfig(
-            vocab_size=vocab_size,
-            d_model=self.d_model,
-            n_heads=self.n_heads,
-            n_layers=self.n_layers,
-            d_ff=self.d_ff,
-            dropout=0.0,
-            max_length=self.max_length,
-        )
 
 
 FULL = StudyConfig()
@@ -233,7 +222,7 @@ def profiled_steps(
 def run_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run, trace_dir: Path) -> dict:
     """Train stage ``index`` from the seeded initial weights; its metrics."""
     stage = st.stages()[index]
-    model_cfg = cfg.model_config(data.vocab_size)
+    model_cfg = config_from_sizes(cfg, data.vocab_size, dropout=0.0)
     model = st.build_model(model_cfg, stage, run.device, run.seed)
     parts = st.StepParts(
         model=model,
