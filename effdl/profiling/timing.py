@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -192,31 +193,70 @@ def benchmark(
 
 @dataclass
 class PeakMemory:
-    """Filled in by :func:`peak_memory` when its region ends."""
+    """Filled in by :func:`peak_memory`: ``start_bytes`` on entry, the peak when the region ends."""
 
     gib: float = float("nan")
     bytes: int = 0
+    start_bytes: int = 0
+
+
+class _RssSampler:
+    """This process's resident set size, sampled by a thread every ``interval`` seconds until
+    :meth:`stop` (RSS has no resettable peak to read)."""
+
+    def __init__(self, interval: float) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self.start = self.peak = self._process.memory_info().rss
+        self._interval, self._done = interval, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(self._interval):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def stop(self) -> int:
+        """End the sampling; the largest RSS seen, the final one included (bytes)."""
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+        return self.peak
 
 
 @contextmanager
-def peak_memory(device: str | torch.device) -> Iterator[PeakMemory]:
-    """Peak GPU memory allocated inside the region (GiB).
+def peak_memory(
+    device: str | torch.device, *, cpu_rss: bool = False, rss_interval: float = 0.01
+) -> Iterator[PeakMemory]:
+    """Peak memory inside the region (bytes and GiB) and the memory at its start.
 
-    Resets the peak counter on entry and reads ``max_memory_allocated`` on exit, so the number is
-    the region's own peak (including tensors that were alive when it started). On CPU the result
-    stays NaN: PyTorch keeps no allocator statistics there.
+    On CUDA: resets the peak counter on entry and reads ``max_memory_allocated`` on exit, so the
+    number is the region's own peak (including tensors that were alive when it started);
+    ``start_bytes`` is ``memory_allocated`` on entry. On CPU the result stays NaN (PyTorch keeps
+    no allocator statistics there) unless ``cpu_rss``: then it is this process's peak RSS,
+    sampled every ``rss_interval`` seconds by a thread (a peak shorter than that can be missed),
+    and ``start_bytes`` the RSS on entry.
     """
     dev = torch.device(device)
     result = PeakMemory()
+    sampler = None
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        result.start_bytes = torch.cuda.memory_allocated(dev)
+    elif cpu_rss:
+        sampler = _RssSampler(rss_interval)
+        result.start_bytes = sampler.start
     try:
         yield result
     finally:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             result.bytes = torch.cuda.max_memory_allocated(dev)
+        elif sampler is not None:
+            result.bytes = sampler.stop()
+        if dev.type == "cuda" or sampler is not None:
             result.gib = result.bytes / GIB
 
 

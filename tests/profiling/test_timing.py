@@ -1,6 +1,7 @@
 import math
 import random
 import statistics
+import threading
 import time
 
 import pytest
@@ -79,6 +80,21 @@ def test_peak_memory_is_nan_on_cpu():
     with peak_memory("cpu") as mem:
         torch.ones(10)
     assert math.isnan(mem.gib)
+
+
+def test_peak_memory_cpu_rss_sees_a_freed_allocation_and_stops_its_sampler():
+    """RSS sampling catches a buffer held for a few sampling intervals and freed before the
+    region ends; the sampling thread is gone after the region."""
+    threads = threading.active_count()
+    size = 128 * 2**20
+    with peak_memory("cpu", cpu_rss=True, rss_interval=0.005) as mem:
+        x = torch.ones(size, dtype=torch.uint8)  # written: resident, not just reserved
+        time.sleep(0.1)
+        del x
+    assert mem.start_bytes > 0
+    assert mem.bytes - mem.start_bytes >= 0.9 * size
+    assert mem.gib == pytest.approx(mem.bytes / 2**30)
+    assert threading.active_count() == threads
 
 
 @pytest.mark.gpu
