@@ -60,6 +60,10 @@ class TransformerModelArgs:
             )
         if min(self.dim, self.n_layers, self.n_heads, self.multiple_of, self.seq_len) < 1:
             raise ValueError("dim, n_layers, n_heads, multiple_of and seq_len must be positive")
+        for name in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.head_dim % 2:

@@ -53,7 +53,10 @@ class MasterWeights:
     then :meth:`step` (updates the masters, copies them into the model) and :meth:`zero_grad`.
     :attr:`masters` (the flat fp32 buffers) carry the step's gradients in ``.grad``; clip with
     :meth:`clip_grad_norm_` before :meth:`step`. A parameter that got no gradient in a step is
-    updated with a zero gradient (torch's optimizers skip it).
+    updated with a zero gradient (torch's optimizers skip it). Frozen floating-point parameters
+    are cast to ``dtype`` (the forward then runs in one dtype) and have no master.
+    :meth:`state_dict` holds the fp32 masters and the optimizer's state, so a resumed run
+    continues exactly where it stopped.
     """
 
     def __init__(
@@ -71,6 +74,9 @@ class MasterWeights:
                     f"a parameter is {p.dtype}: build the model in float32 so that its "
                     "masters start exact"
                 )
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
         self.masters: list[Tensor] = []
         self._working_flat: list[Tensor] = []
         self._grads: list[Tensor] = []  # per working parameter, its slice of the fp32 sum
@@ -79,7 +85,8 @@ class MasterWeights:
         optimizer = make_optimizer(working)
         for group in optimizer.param_groups:
             params = group["params"]
-            master = torch.cat([p.detach().reshape(-1) for p in params]).requires_grad_()
+            parts = [p.detach().reshape(-1) for p in params]
+            master = (torch.cat(parts) if parts else working[0].new_zeros(0)).requires_grad_()
             master.grad = torch.zeros_like(master)
             flat = master.detach().to(dtype)
             offset = 0
@@ -152,9 +159,11 @@ class MasterWeights:
             self._adamw_step()
         else:
             if self._grad_scale is not None:
-                torch._foreach_mul_([m.grad for m in self.masters], self._grad_scale)
+                for master in self.masters:
+                    master.grad.mul_(self._grad_scale)
             self.optimizer.step()
-            torch._foreach_copy_(self._working_flat, self.masters)
+            for working, master in zip(self._working_flat, self.masters, strict=True):
+                working.copy_(master)
         self._grad_scale = None
 
     def _adamw_step(self) -> None:
@@ -173,6 +182,34 @@ class MasterWeights:
                 step=int(state["step"]), lr=group["lr"], beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=self._grad_scale,
             )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fp32 masters (copies) and the optimizer's state; the working weights are their
+        rounding and the gradient sums start afresh each step, so neither is saved."""
+        return {
+            "optimizer_class": type(self.optimizer).__name__,
+            "masters": [m.detach().clone() for m in self.masters],
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s masters and optimizer state and round the masters into
+        the model. Raises ValueError if the optimizer class or the masters' shapes differ."""
+        saved_class, mine = state.get("optimizer_class"), type(self.optimizer).__name__
+        if saved_class != mine:
+            raise ValueError(f"the state is of a {saved_class} optimizer, this one is a {mine}")
+        saved = state["masters"]
+        shapes = [tuple(m.shape) for m in self.masters]
+        if [tuple(m.shape) for m in saved] != shapes:
+            raise ValueError(
+                f"saved masters of shapes {[tuple(m.shape) for m in saved]} do not match this "
+                f"model's {shapes}"
+            )
+        for master, working, value in zip(self.masters, self._working_flat, saved, strict=True):
+            master.copy_(value)
+            working.copy_(master)
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def zero_grad(self) -> None:
         """Start a new gradient sum (the next micro-batch's gradients overwrite the buffers)."""

@@ -168,6 +168,13 @@ def test_bad_arguments():
         Transformer(dataclasses.replace(TINY, seq_len=8))(torch.zeros(1, 9, dtype=torch.long))
 
 
+@pytest.mark.parametrize("name", ["norm_eps", "rope_theta", "ffn_dim_multiplier"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_non_positive_or_non_finite_scalars_are_refused(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a finite number > 0"):
+        dataclasses.replace(TINY, **{name: value})
+
+
 @pytest.mark.gpu
 def test_1b_forward_on_cuda_in_bf16():
     args = PRESETS["1b"]

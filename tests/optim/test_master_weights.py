@@ -169,3 +169,58 @@ def test_cuda_pass_matches_torch_fused_adamw():
 
     model, reference = train_side_by_side(fused, steps=5, clip=0.1, device="cuda")
     assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)
+
+
+def train_steps(model: nn.Module, holder: MasterWeights, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        for x, y in micro_batches(step):
+            loss = loss_of(model, x, y)
+            loss.backward()
+        losses.append(loss.item())
+        holder.clip_grad_norm_(1.0)
+        holder.step()
+        holder.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("make", [adamw, sgd_momentum])
+def test_a_resume_from_the_state_dict_continues_bit_exactly(make):
+    """bf16 working weights: a resume that restarted the masters from them would drift."""
+    model = small_model()
+    holder = MasterWeights(model, make)
+    whole = train_steps(model, holder, range(6))
+    first = small_model()
+    holder = MasterWeights(first, make)
+    head = train_steps(first, holder, range(3))
+    state = copy.deepcopy(holder.state_dict())
+    resumed = small_model()
+    holder = MasterWeights(resumed, make)
+    holder.load_state_dict(state)
+    assert head + train_steps(resumed, holder, range(3, 6)) == whole
+    for p, q in zip(resumed.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_load_state_dict_refuses_another_optimizer_or_shape():
+    state = MasterWeights(small_model(), adamw).state_dict()
+    with pytest.raises(ValueError, match="state is of a AdamW optimizer, this one is a SGD"):
+        MasterWeights(small_model(), sgd_momentum).load_state_dict(state)
+    other = nn.Sequential(nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="do not match"):
+        MasterWeights(other, adamw).load_state_dict(state)
+
+
+def test_frozen_parameters_and_empty_groups_are_handled():
+    model = small_model()
+    model[0].requires_grad_(False)
+
+    def with_an_empty_group(params):
+        return torch.optim.AdamW([{"params": list(params)}, {"params": []}], lr=1e-2)
+
+    holder = MasterWeights(model, with_an_empty_group)
+    assert model[0].weight.dtype == torch.bfloat16 and not model[0].weight.requires_grad
+    frozen = model[0].weight.clone()
+    train_steps(model, holder, range(2))
+    assert torch.equal(model[0].weight, frozen)
+    assert holder.masters[1].numel() == 0
