@@ -208,3 +208,17 @@ def test_parquet_without_text_is_refused_naming_the_file(tmp_path, dataset, rows
     pq.write_table(pa.table({"text": pa.array(rows, type=pa.string())}), path)
     with pytest.raises(ValueError, match=rf"nulls\.parquet: no non-empty text rows \({counts};"):
         dataset(path, FixedIds({}), 8)
+
+
+def test_iterable_dataset_lives_alone_in_its_file_and_is_the_one_parquet_exports():
+    """Seed 002, deliverable 3: the class alone (with its imports) in a python file."""
+    import ast
+    import inspect
+
+    from effdl.data import iterable_parquet, parquet
+
+    tree = ast.parse(inspect.getsource(iterable_parquet))
+    kinds = {type(node) for node in tree.body} - {ast.Import, ast.ImportFrom}
+    classes = [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
+    assert kinds == {ast.ClassDef} and classes == ["IterableParquetDataset"]
+    assert parquet.IterableParquetDataset is iterable_parquet.IterableParquetDataset
