@@ -1,6 +1,6 @@
 """The GPT-2-like LM under six precision setups: quality, divergence and gradient-step time.
 
-Setups (seed 001's comparison plus the references the issue asks for):
+Setups (seed 001's comparison plus torch's references):
 ``fp32``; ``pure_fp16`` (``model.half()``, no scaler; allowed to diverge); ``amp_static``
 (torch.autocast + StaticGradScaler); ``amp_dynamic`` (torch.autocast + DynamicGradScaler);
 ``own_autocast_torch_scaler`` (own Autocast + torch.amp.GradScaler);
@@ -20,36 +20,31 @@ A run whose training loss turns non-finite is stopped at the next check (every 2
 marked diverged; the script goes on. Note for ``pure_fp16``: AdamW keeps its moments in fp16
 too, and its eps (1e-8) rounds to 0 there; that is part of what "naive fp16" means.
 
-GPU defaults (the whole run takes about 3-4 min on one H100): d_model 1024, 8 heads, 4 post-norm
-decoder layers, d_ff 2048, no dropout (so seeds only change the init), vocabulary 32768
-(basic_english), samples cut to 256 tokens, length-bucketed batches of 32 (BalancedBatchSampler,
-k=16), 500 AdamW steps at lr 3e-4 after 50 warm-up steps, held-out set of 20 batches, 2 noise
-seeds, growth interval 100 for both dynamic scalers (initial scale 2**16), static scale 2**10,
-100 timed steps per setup. Data: ``--data`` (WikiText-103 files or parquet; a seeded subset of
-``--n-samples`` = 30000 lines is used) or a generated WikiText-like corpus of that many samples.
-CPU ``--quick``: d_model 64, 2 layers, 64 tokens, batch 8, 30 steps (~25 s).
+The defaults (:class:`LMPrecisionConfig`) are the GPU experiment: 4 post-norm decoder layers of
+width 1024 without dropout (seeds only change the init), a basic_english vocabulary of 32768,
+samples cut to 256 tokens in length-bucketed batches of 32 (BalancedBatchSampler, k=16), 500
+AdamW steps. Data: ``--data`` (WikiText-103 files or parquet; a seeded subset of ``--n-samples``
+lines) or a generated WikiText-like corpus of that many samples. ``--quick``: a CPU smoke run.
 
-    python task1_loss_scaling/lm_precision.py --quick                  # CPU smoke run, < 60 s
+    python task1_loss_scaling/lm_precision.py --quick                  # CPU smoke run
     python task1_loss_scaling/lm_precision.py --device cuda            # the GPU experiment
     python task1_loss_scaling/lm_precision.py --data /path/wikitext-103-raw
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
-import sys
 import time
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from effdl.amp.precision import LOW_DTYPES, Precision, PrecisionSpec, build_precision
+from effdl.amp.precision import LOW_DTYPES, PrecisionSpec, build_precision
+from effdl.amp.training_step import lm_forward, lm_heldout_metrics, scaled_step
 from effdl.cli import (
     ConfigFlags,
     Run,
@@ -57,23 +52,14 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
-    require_memory,
-    require_path,
     require_positive,
     run_main,
     seed_everything,
     start_run,
 )
-from effdl.data.corpus import (
-    CorpusFormatError,
-    SyntheticCorpusConfig,
-    read_wikitext,
-    synthetic_corpus,
-)
+from effdl.data.lm_batches import LMData, fixed_lm_data, text_samples
 from effdl.data.padding import Batch, pad_batch
-from effdl.data.pipelines import make_loader
-from effdl.data.tokenize import TokenizedCorpus, Vocab, fit_basic_english
-from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
+from effdl.models.gpt_like import GPTLikeModel, config_from_sizes
 from effdl.models.lm_objective import LMAccuracy, LMCrossEntropyLoss
 from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_variants
 from effdl.profiling.timing import TimingStats
@@ -92,22 +78,9 @@ REFERENCE = "torch_autocast_torch_scaler"
 PIPELINES = ("ultra", "bigbrain", "brain")  # length-bucketed, pad-to-batch-max, pad-to-max
 CHECK_EVERY = 25  # steps between divergence checks (each is one host sync)
 # The settings every record's config carries (with the vocabulary, device and corpus).
-RECORDED = (
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "d_ff",
-    "max_length",
-    "batch_size",
-    "pipeline",
-    "k",
-    "steps",
-    "lr",
-    "warmup_steps",
-    "amp_dtype",
-    "static_scale",
-    "growth_interval",
-)
+RECORDED = ("d_model", "n_layers", "n_heads", "d_ff", "max_length", "batch_size", "pipeline",
+            "k", "steps", "lr", "warmup_steps", "amp_dtype", "static_scale",
+            "growth_interval")  # fmt: skip
 
 
 @dataclass
@@ -131,8 +104,7 @@ class LMPrecisionConfig:
     warmup_steps: int = 50
     eval_batches: int = 20
     amp_dtype: str = "fp16"
-    # One factor must fit the whole run, and gradients grow as the LM trains (2**16 overflowed
-    # on about 1 step in 6 in the CPU smoke run).
+    # One factor must fit the whole run, and gradients grow as the LM trains.
     static_scale: float = 2.0**10
     growth_interval: int = 100  # torch's default 2000 would never grow in 500 steps
     timing_batch_sizes: list[int] = field(default_factory=list)  # empty: --batch-size
@@ -159,17 +131,6 @@ class LMPrecisionConfig:
     def d_ff(self) -> int:
         return 2 * self.d_model
 
-    def model_config(self, vocab_size: int) -> GPTLikeConfig:
-        return GPTLikeConfig(
-            vocab_size=vocab_size,
-            d_model=self.d_model,
-            n_heads=self.n_heads,
-            n_layers=self.n_layers,
-            d_ff=self.d_ff,
-            dropout=0.0,  # seeds then only change the init: a clean run-to-run noise estimate
-            max_length=self.max_length,
-        )
-
     def recorded(self, data: LMData, device: torch.device) -> dict:
         """The settings a log record's config carries, with the vocabulary and corpus used."""
         return {**{name: getattr(self, name) for name in RECORDED}, "vocab_size": len(data.vocab),
@@ -177,31 +138,9 @@ class LMPrecisionConfig:
 
 
 FULL = LMPrecisionConfig()
-QUICK = LMPrecisionConfig(
-    n_samples=2_500,
-    synthetic_vocab=20_000,
-    noise_seeds=1,
-    steps=30,
-    batch_size=8,
-    max_length=64,
-    max_vocab=2048,
-    d_model=64,
-    n_layers=2,
-    warmup_steps=5,
-    eval_batches=4,
-    timing_reps=4,
-)
-
-
-@dataclass
-class LMData:
-    """The tokenized corpus split into training and held-out samples, batched on the device."""
-
-    train_corpus: TokenizedCorpus
-    train: list[Batch]  # one per training step
-    heldout: list[Batch]
-    vocab: Vocab
-    source: str
+QUICK = LMPrecisionConfig(n_samples=2_500, synthetic_vocab=20_000, noise_seeds=1, steps=30,
+                          batch_size=8, max_length=64, max_vocab=2048, d_model=64, n_layers=2,
+                          warmup_steps=5, eval_batches=4, timing_reps=4)  # fmt: skip
 
 
 def parse_config() -> tuple[LMPrecisionConfig, Run]:
@@ -237,84 +176,24 @@ def parse_config() -> tuple[LMPrecisionConfig, Run]:
     return cfg, start_run(args, task="task1_lm_precision", logs="lm_precision.jsonl")
 
 
-def load_lines(cfg: LMPrecisionConfig, seed: int) -> tuple[list[str], str]:
-    """Text samples: a seeded subset of --data's lines, or the generated corpus."""
-    n_samples = cfg.n_samples
-    if cfg.data is None:
-        # Non-empty lines are ~65% of the generated lines; ask for enough to get n_samples.
-        synthetic = SyntheticCorpusConfig(n_lines=int(n_samples / 0.6) + 100, seed=seed,
-                                          vocab_size=cfg.synthetic_vocab)  # fmt: skip
-        require_host_memory(cfg, synthetic)
-        return synthetic_corpus(synthetic)[:n_samples], f"synthetic(n={n_samples}, seed={seed})"
-    require_path(cfg.data, "WikiText-103 files or a parquet with a 'text' column", "--data")
-    try:
-        lines = read_wikitext(cfg.data)
-    except CorpusFormatError as e:
-        raise UsageError(f"--data: {e}") from None
-    if len(lines) > n_samples:
-        pick = np.random.default_rng(seed).choice(len(lines), n_samples, replace=False)
-        lines = [lines[i] for i in np.sort(pick)]
-    return lines, f"{cfg.data} ({len(lines)} lines)"
-
-
-def require_host_memory(cfg: LMPrecisionConfig, synthetic: SyntheticCorpusConfig) -> None:
-    """UsageError unless the generated lines fit in the host's free memory; their size is
-    extrapolated from a pilot of 2,000 lines (a lower bound: tokenizing needs more)."""
-    pilot = synthetic_corpus(replace(synthetic, n_lines=2000))
-    need = cfg.n_samples * sum(map(sys.getsizeof, pilot)) / max(len(pilot), 1)
-    require_memory(f"--n-samples {cfg.n_samples:,}", need, "cpu", what="the generated text")
-
-
-def split_corpus(corpus: TokenizedCorpus, n_heldout: int, seed: int):
-    """(train, held-out) corpora of disjoint samples, chosen by a seeded permutation."""
-    order = np.random.default_rng(seed).permutation(len(corpus))
-    take = lambda idx: TokenizedCorpus.from_sequences(corpus[int(i)] for i in idx)  # noqa: E731
-    return take(order[n_heldout:]), take(order[:n_heldout])
-
-
-def batches_of(
-    corpus, n: int, cfg: LMPrecisionConfig, pad_id: int, seed: int, device
-) -> list[Batch]:
-    """The first ``n`` batches of the pipeline (epoch after epoch), moved to the device once."""
-    loader = make_loader(cfg.pipeline, corpus, cfg.batch_size, k=cfg.k,
-                         max_length=cfg.max_length, pad_id=pad_id, seed=seed)  # fmt: skip
-    out: list[Batch] = []
-    while len(out) < n:
-        for batch in loader:
-            out.append(batch.to(device))
-            if len(out) == n:
-                break
-    return out
-
-
 def prepare_data(cfg: LMPrecisionConfig, run: Run) -> LMData:
-    """Tokenize, split and batch the corpus; too few samples for the held-out set and one batch,
-    or a timing batch larger than the training set, is a usage error."""
-    lines, source = load_lines(cfg, run.seed)
-    corpus, vocab = fit_basic_english(lines, max_size=cfg.max_vocab)
-    # A sample needs two tokens to have a target; a bucket of one-token samples would have none.
-    corpus = corpus.truncate(cfg.max_length, min_length=2)
-    n_heldout = cfg.eval_batches * cfg.batch_size
-    if len(corpus) < n_heldout + cfg.batch_size:
-        raise UsageError(f"--data/--n-samples: {len(corpus)} usable samples, need more than "
-                         f"{n_heldout + cfg.batch_size} (held-out set plus one batch)")  # fmt: skip
-    train_corpus, heldout_corpus = split_corpus(corpus, n_heldout, run.seed)
-    if max(cfg.timing_batch_sizes, default=1) > len(train_corpus):
-        raise UsageError(f"--timing-batch-sizes: each must be in 1..{len(train_corpus)} "
+    """The fixed batches of every run; a timing batch larger than the training set is a usage
+    error."""
+    lines, source = text_samples(cfg.data, cfg.n_samples, cfg.synthetic_vocab, run.seed)
+    data = fixed_lm_data(lines, source, max_vocab=cfg.max_vocab, max_length=cfg.max_length,
+                         pipeline=cfg.pipeline, batch_size=cfg.batch_size, k=cfg.k,
+                         steps=cfg.steps, eval_batches=cfg.eval_batches, seed=run.seed,
+                         device=run.device)  # fmt: skip
+    if max(cfg.timing_batch_sizes, default=1) > len(data.train_corpus):
+        raise UsageError(f"--timing-batch-sizes: each must be in 1..{len(data.train_corpus)} "
                          f"(training samples); got {cfg.timing_batch_sizes}")  # fmt: skip
-    return LMData(
-        train_corpus=train_corpus,
-        train=batches_of(train_corpus, cfg.steps, cfg, vocab.pad_id, run.seed, run.device),
-        heldout=batches_of(heldout_corpus, cfg.eval_batches, cfg, vocab.pad_id, run.seed,
-                           run.device),
-        vocab=vocab,
-        source=source,
-    )  # fmt: skip
+    return data
 
 
 def build(setup: str, seed: int, cfg: LMPrecisionConfig, vocab_size: int, device: torch.device):
     seed_everything(seed)
-    model = GPTLikeModel(cfg.model_config(vocab_size)).to(device)
+    # No dropout: seeds then only change the init, a clean run-to-run noise estimate.
+    model = GPTLikeModel(config_from_sizes(cfg, vocab_size, dropout=0.0)).to(device)
     if setup in PURE_LOW:
         model.to(LOW_DTYPES[cfg.amp_dtype])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -322,50 +201,6 @@ def build(setup: str, seed: int, cfg: LMPrecisionConfig, vocab_size: int, device
                            static_scale=cfg.static_scale,
                            growth_interval=cfg.growth_interval)  # fmt: skip
     return model, optimizer, prec
-
-
-def grad_step(model, batch: Batch, prec: Precision, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """One gradient computation: forward, loss, scaled backward. Returns (logits, loss)."""
-    with prec.autocast():
-        logits = model(batch.input_ids, batch.padding_mask)
-        loss = loss_fn(logits, batch.input_ids, batch.padding_mask)
-    prec.backward(loss)
-    return logits, loss
-
-
-def train_step(
-    model,
-    batch: Batch,
-    optimizer,
-    prec: Precision,
-    loss_fn,
-    grad_region: AbstractContextManager | None = None,
-):
-    """One training step; ``grad_region`` (e.g. a timer's region) wraps its gradient computation."""
-    optimizer.zero_grad(set_to_none=True)
-    with grad_region or contextlib.nullcontext():
-        logits, loss = grad_step(model, batch, prec, loss_fn)
-    prec.step(optimizer)
-    return logits, loss
-
-
-@torch.no_grad()
-def evaluate(model, batches: list[Batch], prec: Precision) -> tuple[float, float]:
-    """Target-token-weighted mean loss and accuracy over the held-out batches."""
-    model.eval()
-    loss_fn, acc_fn = LMCrossEntropyLoss(), LMAccuracy()
-    sums, accs, weights = [], [], []
-    for b in batches:
-        with prec.autocast():
-            logits = model(b.input_ids, b.padding_mask)
-            sums.append(loss_fn(logits, b.input_ids, b.padding_mask).float())
-        accs.append(acc_fn(logits, b.input_ids, b.padding_mask).float())
-        weights.append((b.lengths - 1).clamp(min=0).sum())
-    model.train()
-    w = torch.stack(weights).float()
-    loss = (torch.stack(sums) * w).sum() / w.sum()
-    acc = (torch.stack(accs) * w).sum() / w.sum()
-    return loss.item(), acc.item()
 
 
 def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run,
@@ -382,7 +217,7 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
         for g in optimizer.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         batch = data.train[step]
-        logits, loss = train_step(model, batch, optimizer, prec, loss_fn)
+        logits, loss = scaled_step(optimizer, prec, lm_forward(model, batch, loss_fn))
         losses.append(loss.detach().float())
         accs.append(acc_fn(logits.detach(), batch.input_ids, batch.padding_mask).float())
         scale, skip = prec.scale_and_skipped()
@@ -403,7 +238,7 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
                 break
     losses_h, accs_h = torch.stack(losses).tolist(), torch.stack(accs).tolist()
     if diverged_at is None:
-        val_loss, val_acc = evaluate(model, data.heldout, prec)
+        val_loss, val_acc = lm_heldout_metrics(model, data.heldout, prec)
     else:
         val_loss = val_acc = float("nan")
     diverged = diverged_at is not None or not math.isfinite(val_loss)
@@ -481,7 +316,7 @@ def time_setups(cfg: LMPrecisionConfig, run: Run, data: LMData, batch: Batch) ->
             def step(n: int, regions: Regions | None) -> None:
                 for _ in range(n):
                     grad = regions["grad"].region() if regions is not None else None
-                    train_step(model, batch, opt, prec, loss_fn, grad)
+                    scaled_step(opt, prec, lm_forward(model, batch, loss_fn), grad)
                 opt.zero_grad(set_to_none=True)  # an idle setup holds no gradients
 
             return step

@@ -32,11 +32,13 @@ from tqdm import tqdm
 
 from effdl.amp.grads import grads_of, zero_fraction
 from effdl.amp.precision import LOW_DTYPES, Precision, PrecisionSpec, build_precision
+from effdl.amp.training_step import scaled_step
 from effdl.cli import (
     ConfigFlags,
     Run,
     UsageError,
     base_parser,
+    decide_auto,
     print_table,
     require_choices,
     require_path,
@@ -145,9 +147,8 @@ def parse_config() -> tuple[UNetConfig, Run]:
 
 def with_device_defaults(cfg: UNetConfig, device: torch.device) -> UNetConfig:
     """``amp_dtype`` auto: fp16 on CUDA (the course's setting), bf16 on the CPU (no fp16 GEMMs)."""
-    if cfg.amp_dtype != "auto":
-        return cfg
-    return dataclasses.replace(cfg, amp_dtype="fp16" if device.type == "cuda" else "bf16")
+    low = "fp16" if device.type == "cuda" else "bf16"
+    return dataclasses.replace(cfg, amp_dtype=decide_auto(cfg.amp_dtype, low))
 
 
 def prepare_data(cfg: UNetConfig) -> tuple[SegmentationTensors, str]:
@@ -193,13 +194,13 @@ def pixel_accuracy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model, x, y, optimizer, prec: Precision, loss_fn):
-    optimizer.zero_grad(set_to_none=True)
-    with prec.autocast():
+    """One training step on (x, y) under ``prec``; returns (logits, loss)."""
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(x)
-        loss = loss_fn(logits, y)
-    prec.backward(loss)
-    prec.step(optimizer)
-    return logits, loss
+        return logits, loss_fn(logits, y)
+
+    return scaled_step(optimizer, prec, forward)
 
 
 @torch.no_grad()
@@ -218,22 +219,17 @@ def evaluate(
         weights.append(len(idx))
     model.train()
     w = torch.tensor(weights, dtype=torch.float32, device=images.device)
-    return ((torch.stack(losses) * w).sum() / w.sum()).item(), (
-        (torch.stack(accs) * w).sum() / w.sum()
-    ).item()
+    mean = lambda values: ((torch.stack(values) * w).sum() / w.sum()).item()  # noqa: E731
+    return mean(losses), mean(accs)
 
 
 def build(mode: str, seed: int, cfg: UNetConfig, device: torch.device):
     seed_everything(seed)
     model = UNet().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    prec = build_precision(
-        MODES[mode],
-        device,
-        LOW_DTYPES[cfg.amp_dtype],
-        static_scale=cfg.static_scale,
-        growth_interval=cfg.growth_interval,
-    )
+    prec = build_precision(MODES[mode], device, LOW_DTYPES[cfg.amp_dtype],
+                           static_scale=cfg.static_scale,
+                           growth_interval=cfg.growth_interval)  # fmt: skip
     return model, optimizer, prec
 
 
