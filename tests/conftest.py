@@ -1,5 +1,9 @@
+import os
+
 import pytest
 import torch
+
+TIMES_ENV = "EFFDL_TEST_TIMES"  # a file: each test's duration is appended as it ends
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,3 +31,12 @@ def _restore_cuda_process_state():
         for index in range(torch.cuda.device_count()):
             torch.cuda.set_per_process_memory_fraction(1.0, index)
         torch.cuda.empty_cache()
+
+
+def pytest_runtest_logreport(report):
+    """With ``$EFFDL_TEST_TIMES`` set, append each test's call time as the test ends, so a run
+    stopped at a time limit still tells which tests took the time."""
+    path = os.environ.get(TIMES_ENV)
+    if path and report.when == "call":
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{report.duration:.2f}\t{report.outcome}\t{report.nodeid}\n")
