@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from effdl.cli import run_main
+from effdl.cli import UsageError, run_main
+from effdl.parallel.classifiers import equal_work_mlp, multiply_adds
 from effdl.parallel.launch import cpu_threads
 from effdl.parallel.pipeline import BACKWARD, SCHEDULES, bubble_fraction, split_sequential
+from effdl.parallel.pipeline_training import PipelineConfig
 from effdl.results import read_records
 from tests.script_loading import ROOT, load_script
 
@@ -95,8 +97,8 @@ def test_quick_pipeline_curve_equals_the_accumulating_reference(tmp_path, keep_t
 def test_stages_of_the_model_do_equal_work():
     """The formula assumes equal stage times: every block holds two hidden x hidden layers, the
     input projection and the classifier add only features x hidden and hidden x classes."""
-    model = pipeline_parallel.build_model(64, 1024, 10, 4)
-    work = [pipeline_parallel.multiply_adds(piece) for piece in split_sequential(model, 4)]
+    model = equal_work_mlp(64, 1024, 10, 4)
+    work = [multiply_adds(piece) for piece in split_sequential(model, 4)]
     assert work == [2 * 1024**2 + 64 * 1024, 2 * 1024**2, 2 * 1024**2, 2 * 1024**2 + 1024 * 10]
 
 
@@ -156,8 +158,8 @@ def test_bad_flags_are_refused_in_one_line(tmp_path, monkeypatch, capsys, flags,
     ],
 )
 def test_nccl_layouts_that_share_a_gpu_between_peers_are_refused(settings, gpus, message):
-    cfg = pipeline_parallel.PipelineConfig(backend="nccl", **settings)
-    with pytest.raises(pipeline_parallel.UsageError, match=message):
+    cfg = PipelineConfig(backend="nccl", **settings)
+    with pytest.raises(UsageError, match=message):
         cfg.check_gpu_layout(gpus)
 
 
@@ -170,4 +172,4 @@ def test_nccl_layouts_that_share_a_gpu_between_peers_are_refused(settings, gpus,
     ],
 )
 def test_nccl_layouts_with_peers_on_distinct_gpus_are_accepted(settings, gpus):
-    pipeline_parallel.PipelineConfig(backend="nccl", **settings).check_gpu_layout(gpus)
+    PipelineConfig(backend="nccl", **settings).check_gpu_layout(gpus)
