@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from effdl.cli import (
@@ -47,99 +46,24 @@ from effdl.cli import (
     seed_everything,
     start_run,
 )
-from effdl.models.swiglu import Checkpointed, MLPStack, SwigluMLP
-from effdl.ops.swiglu import CheckpointLevel, MemoryOptimizedSwigluMLP, elementwise_ops
+from effdl.ops.swiglu_variants import (
+    FORCED_BACKEND,
+    GEMMS,
+    VARIANTS,
+    Shape,
+    build_stack,
+    cost_of,
+    with_costs,
+)
 from effdl.profiling.flops import measure_copy_bandwidth, measure_matmul_tflops
 from effdl.profiling.harness import HarnessConfig, Regions, Variant, settle, time_variants
 from effdl.profiling.timing import median_ratio_ci
 from effdl.results import RunLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-LEVEL_VARIANTS = {
-    "level0": CheckpointLevel.SAVE_ALL,
-    "level1": CheckpointLevel.RECOMPUTE_ALL,
-    "level2": CheckpointLevel.RECOMPUTE_ELEMENTWISE,
-    "level0_torch": CheckpointLevel.SAVE_ALL,
-    "level0_jiterator": CheckpointLevel.SAVE_ALL,
-    "level0_triton": CheckpointLevel.SAVE_ALL,
-}
-FORCED_BACKEND = {
-    "level0_torch": "torch",
-    "level0_jiterator": "jiterator",
-    "level0_triton": "triton",
-}
-VARIANTS = [
-    "reference",
-    "checkpoint",
-    "level0",
-    "level2",
-    "level1",
-    "level0_torch",
-    "level0_jiterator",
-    "level0_triton",
-]
 DEFAULT_VARIANTS = [v for v in VARIANTS if v != "level0_torch"]  # CUDA's fallback path only
 MEMORY_STEPS = 3
 MAX_REPS = 4000
-
-# GEMMs of 2*N*H*I FLOPs per layer and step: 3 forward + 6 backward, plus the recomputed ones.
-# Non-reentrant checkpointing stops re-running the forward once g exists again (all the backward
-# needs), so it re-runs xW and xV but not gU (tests/profiling/test_flops.py counts them).
-GEMMS = {
-    "reference": 9,
-    "checkpoint": 11,
-    "level0": 9,
-    "level2": 9,
-    "level1": 11,
-    "level0_torch": 9,
-    "level0_jiterator": 9,
-    "level0_triton": 9,
-}
-# Elementwise traffic per layer and step, in passes over an (N x I) tensor (one read or write).
-# aten (reference): silu 2 + mul 3 forward, mul-backward 6 + silu-backward 3; checkpoint re-runs
-# the forward pair. Fused Triton: gate 3; backward 5, or 6 when it also rebuilds g for dU.
-# jiterator: gate 3; backward 5, after a separate gate (3) where g is rebuilt for dU.
-# PyTorch path: gate = silu 2 + mul_ 3; backward = silu 2 + silu_backward 3 + 2 muls 6 (+3 for g).
-PASSES = {
-    "aten": {"reference": 14, "checkpoint": 19},
-    "triton": {"level0": 8, "level2": 9, "level1": 9},
-    "jiterator": {"level0": 8, "level2": 11, "level1": 11},
-    "torch": {"level0": 16, "level2": 19, "level1": 19},
-}
-
-
-@dataclass(frozen=True)
-class Shape:
-    batch_size: int
-    seq_len: int
-    hidden_dim: int
-    intermediate_size: int
-    num_layers: int
-
-    def __str__(self) -> str:  # the --configs form
-        return ",".join(str(v) for v in asdict(self).values())
-
-    @property
-    def tokens(self) -> int:
-        return self.batch_size * self.seq_len
-
-    @property
-    def label(self) -> str:
-        return (
-            f"{self.batch_size}x{self.seq_len} h{self.hidden_dim} "
-            f"i{self.intermediate_size} L{self.num_layers}"
-        )
-
-    def gemm_flops(self, variant: str) -> int:
-        """GEMM FLOPs of one training step of the whole stack."""
-        n, h, i = self.tokens, self.hidden_dim, self.intermediate_size
-        return GEMMS[variant] * 2 * n * h * i * self.num_layers
-
-    def elementwise_bytes(self, variant: str, backend: str, itemsize: int) -> int:
-        passes = PASSES[backend][variant.split("_")[0]]
-        return passes * self.tokens * self.intermediate_size * itemsize * self.num_layers
-
-
 GPU_GRID = [
     Shape(16, 128, 512, 2048, 2),
     Shape(32, 128, 512, 2048, 2),
@@ -150,20 +74,6 @@ GPU_GRID = [
     Shape(8, 1024, 4096, 16384, 5),
 ]
 QUICK_GRID = [Shape(2, 16, 32, 96, 2), Shape(2, 32, 64, 192, 3)]
-
-
-def parse_shape(text: str) -> Shape:
-    """``--configs`` entry ``batch,seq,hidden,intermediate,layers`` as a Shape."""
-    try:
-        values = [int(v) for v in text.split(",")]
-        shape = Shape(*values)
-    except (TypeError, ValueError):
-        raise UsageError(
-            f"--configs: {text!r} is not batch,seq,hidden,intermediate,layers (5 integers)"
-        ) from None
-    if min(values) <= 0:
-        raise UsageError(f"--configs: {text!r} has a non-positive entry")
-    return shape
 
 
 @dataclass(frozen=True)
@@ -230,7 +140,7 @@ def parse_args():
     flags.add(
         "shapes",
         flag="--configs",
-        type=parse_shape,
+        type=Shape.parse,
         nargs="+",
         metavar="B,S,H,I,L",
         help="batch,seq,hidden,intermediate,layers entries",
@@ -266,24 +176,6 @@ def parse_args():
     flags.add("tf32", action="store_true", help="allow TF32 for fp32 matmuls")
     args = p.parse_args()
     return args, flags.resolve(args)
-
-
-def build_stack(
-    variant: str, shape: Shape, dtype: torch.dtype, device: torch.device, residual: bool
-) -> nn.Module:
-    kw = {"device": device, "dtype": dtype}
-    h, i = shape.hidden_dim, shape.intermediate_size
-    if variant in LEVEL_VARIANTS:
-        backend = FORCED_BACKEND.get(variant, "auto")
-        layers = [
-            MemoryOptimizedSwigluMLP(h, i, LEVEL_VARIANTS[variant], elementwise=backend, **kw)
-            for _ in range(shape.num_layers)
-        ]
-    else:
-        layers = [SwigluMLP(h, i, **kw) for _ in range(shape.num_layers)]
-        if variant == "checkpoint":
-            layers = [Checkpointed(layer) for layer in layers]
-    return MLPStack(layers, residual=residual)
 
 
 def stack_variant(
@@ -326,63 +218,6 @@ def stack_variant(
         return step
 
     return Variant(variant, build)
-
-
-@dataclass(frozen=True)
-class Cost:
-    """A variant's work per step and its floor: GEMM FLOPs at the measured ceiling plus
-    elementwise bytes at the measured copy bandwidth."""
-
-    backend: str
-    gemm_flops: int
-    elementwise_bytes: int
-    floor_s: float
-
-
-def cost_of(
-    variant: str,
-    shape: Shape,
-    dtype: torch.dtype,
-    device: torch.device,
-    ceiling: float,
-    bandwidth: float,
-) -> Cost:
-    backend = backend_of(variant, shape, dtype, device)
-    flops = shape.gemm_flops(variant)
-    ew_bytes = shape.elementwise_bytes(
-        variant, backend, torch.empty((), dtype=dtype).element_size()
-    )
-    return Cost(backend, flops, ew_bytes, flops / (ceiling * 1e12) + ew_bytes / (bandwidth * 1e9))
-
-
-def with_costs(metrics: dict, shape: Shape, cost: Cost, ceiling: float, bandwidth: float) -> dict:
-    """``metrics`` of one variant with its achieved TFLOP/s and its cost model added."""
-    if "step_s_median" in metrics:
-        step = metrics["step_s_median"]
-        metrics.update(
-            tflops_model=shape.gemm_flops("reference") / step / 1e12,  # useful FLOPs (9 GEMMs)
-            tflops_executed=cost.gemm_flops / step / 1e12,  # incl. recomputed GEMMs
-            frac_ceiling=cost.gemm_flops / step / 1e12 / ceiling,
-            floor_s=cost.floor_s,
-            floor_frac=cost.floor_s / step,
-        )
-    metrics.update(
-        elementwise=cost.backend,
-        gemm_flops=cost.gemm_flops,
-        elementwise_bytes=cost.elementwise_bytes,
-        ceiling_tflops=ceiling,
-        copy_gb_per_s=bandwidth,
-    )
-    return metrics
-
-
-def backend_of(variant: str, shape, dtype: torch.dtype, device: torch.device) -> str:
-    """Which elementwise code a variant runs: aten (autograd's own kernels), or the name of its
-    effdl backend (torch, jiterator, triton)."""
-    if variant not in LEVEL_VARIANTS:
-        return "aten"
-    numel = shape.tokens * shape.intermediate_size
-    return elementwise_ops(device, numel, dtype, FORCED_BACKEND.get(variant, "auto")).name
 
 
 def ratio(num: float | None, den: float | None) -> float:
