@@ -44,6 +44,9 @@ plus the step's temporaries, about 40 B per value of :data:`DEVICE_CHUNK_BLOCKS`
 (~340 MB; 44 B, ~370 MB, with a bf16 accumulator, whose chunk is read as fp32); the host keeps
 only fp32 masters and int8 moments (no working-weight staging copy).
 
+:func:`plan_offload` lists the buffers a configuration allocates (what, where, dtype, bytes)
+without allocating them, so a run can budget GPU and host memory before it builds anything.
+
 Limits: no amsgrad, maximize, sparse gradients or gradient clipping (buckets update before the
 global norm is known); one working device; parameters must not be replaced after construction;
 not a ``torch.optim.Optimizer`` (for an lr schedule edit ``param_groups[i]["lr"]``).
@@ -54,20 +57,22 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from effdl.optim.quantized_state import (
+    BLOCK_SIZE,
     CodeMaps,
     QuantizedMomentBuffers,
     dequantize,
     num_blocks,
+    quantized_nbytes,
 )
 from effdl.profiling.timeline import Timeline
 
@@ -78,8 +83,12 @@ MOMENT_FORMATS = ("fp32", "int8")
 UPDATE_LOCATIONS = ("host", "device")
 # update_on="device": buckets whose scratch may live on the device at once (bounds its memory).
 DEVICE_BUCKETS_IN_FLIGHT = 2
-# update_on="device": blocks per chunk of the 8-bit step; its temporaries are ~40 B per value.
+# update_on="device": blocks per chunk of the 8-bit step; its temporaries are
+# DEVICE_STEP_BYTES_PER_VALUE per value, and with a bf16 accumulator the chunk's fp32 copy on top.
 DEVICE_CHUNK_BLOCKS = 4096
+DEVICE_STEP_BYTES_PER_VALUE = 40
+DEVICE_STEP_BF16_GRAD_BYTES_PER_VALUE = 4
+DEFAULT_BUCKET_NUMEL = 2**25
 # Parameter offsets inside flat buffers are multiples of this many elements (256 B for fp32), so
 # every working weight is as aligned as a fresh allocation and GEMMs pick their fast kernels.
 ALIGN_ELEMENTS = 64
@@ -161,7 +170,7 @@ class CPUOffloadAdam:
         working_dtype: torch.dtype = torch.bfloat16,
         grad_accumulation: str = "gpu",
         grad_accumulation_dtype: torch.dtype = torch.float32,
-        bucket_numel: int = 2**25,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         num_threads: int | None = None,
         moments: str = "fp32",
         update_on: str = "host",
@@ -864,3 +873,112 @@ def _validate(g: dict[str, Any]) -> None:
         raise ValueError(f"invalid eps: {eps}")
     if not wd >= 0.0:
         raise ValueError(f"invalid weight_decay: {wd}")
+
+
+# ----------------------------------------------------------------------------- accounting
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class StateBuffer:
+    """One buffer of the training state: what it holds, where (``"gpu"`` or ``"host"``), its
+    dtype's name and its bytes."""
+
+    state: str
+    where: str
+    dtype: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The buffers :class:`CPUOffloadAdam` allocates on a CUDA run, without allocating them
+    (:func:`plan_offload`); zero-byte buffers are left out."""
+
+    buffers: tuple[StateBuffer, ...]
+
+    def bytes_on(self, where: str) -> int:
+        """Bytes of the buffers that live ``where`` (``"gpu"`` or ``"host"``)."""
+        return sum(b.bytes for b in self.buffers if b.where == where)
+
+    def optimizer_gpu_bytes(self) -> dict[str, int]:
+        """The optimizer's own GPU buffers by name (the gradient accumulator, the device
+        update's scratch): what the device holds beyond the working weights."""
+        return {
+            b.state: b.bytes
+            for b in self.buffers
+            if b.where == "gpu" and b.state != "working_weights"
+        }
+
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per buffer (``state``, ``where``, ``dtype``, ``bytes``), as run logs keep it."""
+        return [asdict(b) for b in self.buffers]
+
+
+def largest_buckets(
+    param_numels: Sequence[int], bucket_numel: int = DEFAULT_BUCKET_NUMEL
+) -> list[int]:
+    """Upper bounds of the :data:`DEVICE_BUCKETS_IN_FLIGHT` largest buckets over parameters of
+    ``param_numels`` values: a tensor larger than ``bucket_numel`` gets a bucket of its own, the
+    others share buckets of at most ``bucket_numel``."""
+    biggest = sorted(param_numels, reverse=True)[:DEVICE_BUCKETS_IN_FLIGHT]
+    return [max(bucket_numel, n) for n in biggest]
+
+
+def device_update_scratch_bytes(
+    buckets: Sequence[int],
+    grad_accumulation: str = "gpu",
+    grad_accumulation_dtype: torch.dtype = torch.float32,
+) -> int:
+    """Device bytes ``update_on="device"`` adds at most: the scratch of the buckets in flight
+    (``buckets`` values each: fp32 masters, int8 moments with their absmaxes, fp32 gradients
+    when they come from the host) and the temporaries of one chunk of the 8-bit step (with a
+    bf16 accumulator, its chunk read as fp32 too)."""
+    per_value = 4 + 2 + (4 if grad_accumulation == "cpu" else 0)
+    scratch = sum(n * per_value + 2 * num_blocks(n) * 4 for n in buckets)
+    step_per_value = DEVICE_STEP_BYTES_PER_VALUE
+    if grad_accumulation_dtype == torch.bfloat16:
+        step_per_value += DEVICE_STEP_BF16_GRAD_BYTES_PER_VALUE
+    return scratch + step_per_value * DEVICE_CHUNK_BLOCKS * BLOCK_SIZE
+
+
+def plan_offload(
+    param_numels: Sequence[int],
+    *,
+    working_dtype: torch.dtype = torch.bfloat16,
+    grad_accumulation: str = "gpu",
+    grad_accumulation_dtype: torch.dtype = torch.float32,
+    moments: str = "fp32",
+    update_on: str = "host",
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> OffloadPlan:
+    """What :class:`CPUOffloadAdam` with these arguments allocates on a CUDA run for parameters
+    of ``param_numels`` values, where and in which dtype (alignment padding left out), so a
+    caller can budget memory before building the model on the device."""
+    n = sum(param_numels)
+    work = _DTYPE_NAMES[working_dtype], working_dtype.itemsize * n
+    if moments == "int8":
+        moment = "uint8 + fp32 absmax", quantized_nbytes(n)
+    else:
+        moment = "fp32", 4 * n
+    gpu_accumulates = grad_accumulation == "gpu"
+    on_device = update_on == "device"
+    # the host gradient buffer sums in fp32 ("cpu") or receives the GPU accumulator as it is
+    acc_dtype = grad_accumulation_dtype if gpu_accumulates else torch.float32
+    acc = _DTYPE_NAMES[acc_dtype], acc_dtype.itemsize * n
+    scratch = 0
+    if on_device:
+        buckets = largest_buckets(param_numels, bucket_numel)
+        scratch = device_update_scratch_bytes(buckets, grad_accumulation, grad_accumulation_dtype)
+    rows = [
+        ("working_weights", "gpu", *work),
+        ("master_weights", "host", "fp32", 4 * n),
+        ("exp_avg", "host", *moment),
+        ("exp_avg_sq", "host", *moment),
+        ("grad_accumulation", "gpu", acc[0], acc[1] if gpu_accumulates else 0),
+        ("grad", "host", acc[0], 0 if on_device and gpu_accumulates else acc[1]),
+        ("grad_stage", "host", work[0], 0 if gpu_accumulates else work[1]),
+        ("weight_stage", "host", work[0], 0 if on_device else work[1]),
+        ("device_update_scratch", "gpu", "fp32 + uint8", scratch),
+    ]
+    return OffloadPlan(tuple(StateBuffer(*row) for row in rows if row[3]))

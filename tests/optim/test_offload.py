@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from effdl.optim import CPUOffloadAdam, CPUOffloadAdamW, offload
+from effdl.optim.quantized_state import BLOCK_SIZE, quantized_nbytes
 
 # fp32 working weights vs torch's single-tensor Adam: the fused kernel orders the same fp32
 # operations differently, so parameters agree to a few ulps after several steps.
@@ -765,3 +766,81 @@ def test_bf16_accumulator_on_gpu_tracks_the_fp32_one_within_batch_order_noise() 
     assert_within_batch_order_noise(
         curves[torch.bfloat16, 0], curves[torch.float32, 0], curves[torch.float32, 1]
     )
+
+
+# --------------------------------------------------------------------------- plan_offload
+XL_PARAMS = 1_557_611_200  # GPT-2-XL, tied LM head counted once
+XL_WTE = 50257 * 1600
+
+
+def xl_numels() -> list[int]:
+    """GPT-2-XL's parameter sizes in model order: embeddings, 48 blocks, final LayerNorm."""
+    d = 1600
+    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+    return [XL_WTE, 1024 * d, *block * 48, d, d]
+
+
+def test_largest_buckets_give_big_tensors_their_own():
+    assert offload.largest_buckets([XL_WTE, 1024 * 1600, 1600 * 6400, 3]) == [
+        XL_WTE,
+        offload.DEFAULT_BUCKET_NUMEL,
+    ]
+    assert offload.largest_buckets([5, 7], bucket_numel=6) == [7, 6]
+
+
+def test_plan_of_int8_moments_updated_on_device_with_bf16_accumulator():
+    """GPT-2-XL's level-3 state: fp32 masters and 8-bit moments on the host, nothing else there;
+    the bf16 accumulator and the update's scratch on the GPU."""
+    numels = xl_numels()
+    assert sum(numels) == XL_PARAMS
+    plan = offload.plan_offload(
+        numels, grad_accumulation_dtype=torch.bfloat16, moments="int8", update_on="device"
+    )
+    rows = {b.state: b for b in plan.buffers}
+    assert set(rows) == {"working_weights", "master_weights", "exp_avg", "exp_avg_sq",
+                         "grad_accumulation", "device_update_scratch"}  # fmt: skip
+    assert rows["exp_avg"].bytes == rows["exp_avg_sq"].bytes == quantized_nbytes(XL_PARAMS)
+    assert (rows["grad_accumulation"].where, rows["grad_accumulation"].dtype) == ("gpu", "bf16")
+    assert rows["grad_accumulation"].bytes == 2 * XL_PARAMS
+    assert plan.bytes_on("host") == 4 * XL_PARAMS + 2 * quantized_nbytes(XL_PARAMS)
+    scratch = offload.device_update_scratch_bytes(
+        [XL_WTE, offload.DEFAULT_BUCKET_NUMEL], "gpu", torch.bfloat16
+    )
+    assert plan.optimizer_gpu_bytes() == {
+        "grad_accumulation": 2 * XL_PARAMS,
+        "device_update_scratch": scratch,
+    }
+    chunk = offload.DEVICE_CHUNK_BLOCKS * BLOCK_SIZE
+    fp32_acc = offload.device_update_scratch_bytes([XL_WTE, offload.DEFAULT_BUCKET_NUMEL])
+    assert scratch - fp32_acc == 4 * chunk  # the bf16 chunk read as fp32
+    assert plan.records()[0] == {
+        "state": "working_weights", "where": "gpu", "dtype": "bf16", "bytes": 2 * XL_PARAMS
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "host_bytes_per_param", "gpu_rows"),
+    [
+        ({}, 4 + 4 + 4 + 4 + 2, {"grad_accumulation"}),  # masters, moments, grad, weight stage
+        ({"grad_accumulation": "cpu"}, 4 + 4 + 4 + 4 + 2 + 2, set()),  # + grad stage
+        ({"grad_accumulation_dtype": torch.bfloat16}, 4 + 4 + 4 + 2 + 2, {"grad_accumulation"}),
+    ],
+)
+def test_plan_of_fp32_moments_on_the_host(options, host_bytes_per_param, gpu_rows):
+    plan = offload.plan_offload(xl_numels(), **options)
+    assert plan.bytes_on("host") == host_bytes_per_param * XL_PARAMS
+    assert set(plan.optimizer_gpu_bytes()) == gpu_rows
+    assert plan.bytes_on("gpu") == 2 * XL_PARAMS + sum(plan.optimizer_gpu_bytes().values())
+
+
+@pytest.mark.parametrize("moments", ["fp32", "int8"])
+def test_plan_counts_the_host_buffers_the_optimizer_allocates(moments):
+    """Parameters of whole quantization blocks, so alignment adds nothing: the planned masters
+    and moments are the optimizer's own bytes."""
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False))
+    numels = [p.numel() for p in model.parameters()]
+    opt = CPUOffloadAdam(model.parameters(), device="cpu", moments=moments, bucket_numel=4096)
+    rows = {b.state: b.bytes for b in offload.plan_offload(numels, moments=moments).buffers}
+    assert rows["exp_avg"] + rows["exp_avg_sq"] == opt.moment_nbytes()
+    assert rows["master_weights"] == sum(m.nbytes for m in opt.master_params())
+    opt.close()
