@@ -11,6 +11,8 @@
   without the ``tokens x 50257`` logits.
 * :func:`save_gpt2_folder`: a trained model as the local folder :func:`build_gpt2` loads, with
   its tokenizer beside it, written whole or not at all.
+* :func:`check_model_folder`: a local folder's config and weight names checked before loading
+  (:class:`ModelFolderError` for what ``from_pretrained`` would fail on or load wrongly).
 """
 
 from __future__ import annotations
@@ -32,6 +34,15 @@ from effdl.ops.chunked_lm_loss import chunked_lm_loss
 
 GPT2_LARGE_PARAMS = 774_030_080
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MODEL_FOLDER = (
+    "a local Hugging Face GPT-2 folder: config.json + model.safetensors or pytorch_model.bin"
+)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")  # fmt: skip
+
+
+class ModelFolderError(ValueError):
+    """A model folder that cannot be loaded as the GPT-2 asked for; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,25 @@ def build_gpt2(config=None, model_path: Path | None = None, *, fast_gelu: bool =
             use_cache=False,
         )
     return GPT2LMHeadModel(config if config is not None else gpt2_config("large"))
+
+
+def load_gpt2(
+    size: str, model_path: Path | None = None, *, dropout: float = 0.0, fast_gelu: bool = True
+) -> torch.nn.Module:
+    """The GPT-2 to train, fp32 on the CPU: random init of ``size`` (drawn from the torch seed of
+    the moment), or ``model_path``'s weights; every dropout layer at ``dropout`` (a pretrained
+    config brings its own rates). :class:`ModelFolderError` when the weights do not load."""
+    from safetensors import SafetensorError
+
+    config = gpt2_config(size, fast_gelu=fast_gelu, dropout=dropout)
+    try:
+        model = build_gpt2(config, model_path, fast_gelu=fast_gelu)
+    except (OSError, SafetensorError) as e:  # e.g. weights truncated past their header
+        raise ModelFolderError(f"cannot load {model_path} ({_first_line(e)})") from None
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = dropout
+    return model
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -177,3 +207,86 @@ def save_gpt2_folder(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def check_model_folder(folder: Path, size: str):
+    """The ``GPT2Config`` of the local folder ``folder``, checked against ``size`` (a key of
+    :data:`SHAPES`) without loading any weights. :class:`ModelFolderError` for what
+    ``from_pretrained`` would fail on or load wrongly: not a folder, no or unreadable
+    config.json, another model type or shape, no readable weights, or weights missing (which
+    Hugging Face would initialize at random with only a warning)."""
+    from transformers import GPT2Config
+
+    if not folder.is_dir():
+        raise ModelFolderError(f"{folder} is not a folder (expected {MODEL_FOLDER})")
+    config_file = folder / "config.json"
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFolderError(f"{folder} has no config.json (expected {MODEL_FOLDER})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFolderError(f"{config_file} is not a readable JSON config ({e})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type != "gpt2":
+        raise ModelFolderError(f"{config_file} has model_type {model_type!r}, expected 'gpt2'")
+    try:
+        config = GPT2Config.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ModelFolderError(f"{config_file}: not a GPT-2 config ({e})") from None
+    keys = ("n_layer", "n_embd", "n_head", "vocab_size")
+    found = {k: getattr(config, k) for k in keys}
+    if found != {k: getattr(SHAPES[size], k) for k in keys}:
+        sizes = [name for name, s in SHAPES.items() if found == {k: getattr(s, k) for k in keys}]
+        hint = f"it is size {sizes[0]!r}" if sizes else f"sizes: {sorted(SHAPES)}"
+        raise ModelFolderError(f"{config_file} describes {found}, not size {size!r} ({hint})")
+    missing = expected_weights(config) - checkpoint_weights(folder)
+    if missing:
+        raise ModelFolderError(
+            f"the weights in {folder} lack {len(missing)} tensors of GPT-2 "
+            f"(e.g. {sorted(missing)[0]})"
+        )
+    return config
+
+
+def _weight_name(key: str) -> str:
+    """A checkpoint key without the ``transformer.`` prefix (hub checkpoints omit it)."""
+    return key.removeprefix("transformer.")
+
+
+def expected_weights(config) -> set[str]:
+    """Names of the tensors a GPT-2 of ``config`` loads (the tied LM head excluded, the
+    ``transformer.`` prefix dropped as hub checkpoints drop it)."""
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        names = GPT2LMHeadModel(config).state_dict().keys()
+    tied = config.tie_word_embeddings
+    return {_weight_name(k) for k in names if not (tied and k == "lm_head.weight")}
+
+
+def checkpoint_weights(folder: Path) -> set[str]:
+    """Names of the tensors stored in ``folder`` (read from headers or the index, no weights
+    loaded); :class:`ModelFolderError` when it has none or they cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
+    present = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present:
+        raise ModelFolderError(f"{folder} has no weights (expected {MODEL_FOLDER})")
+    path = present[0]
+    try:
+        if path.name.endswith(".index.json"):
+            keys = json.loads(path.read_text(encoding="utf-8"))["weight_map"].keys()
+        elif path.suffix == ".safetensors":
+            with safe_open(str(path), "pt") as f:
+                keys = list(f.keys())
+        else:
+            keys = torch.load(path, map_location="meta", weights_only=True, mmap=True).keys()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError,
+            SafetensorError, json.JSONDecodeError) as e:  # fmt: skip
+        raise ModelFolderError(f"cannot read the weights {path} ({_first_line(e)})") from None
+    return {_weight_name(k) for k in keys}
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, or its type's name when it has none."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from effdl.models.gpt2 import (
     GPT2_LARGE_PARAMS,
     SHAPES,
+    ModelFolderError,
     build_gpt2,
+    check_model_folder,
     checkpoint_blocks,
+    checkpoint_weights,
     count_params,
+    expected_weights,
     gpt2_config,
     lm_loss,
+    load_gpt2,
     save_gpt2_folder,
 )
 
@@ -128,3 +135,57 @@ def test_backward_micro_batches_gives_the_whole_batch_gradients() -> None:
     for g, p in zip(got, lin.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad)
     assert len(losses) == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    build_gpt2(gpt2_config("tiny")).save_pretrained(folder)
+    return folder
+
+
+def test_a_saved_folder_passes_its_check_and_names_its_weights(tiny_folder) -> None:
+    config = check_model_folder(tiny_folder, "tiny")
+    assert (config.n_layer, config.n_embd) == (SHAPES["tiny"].n_layer, SHAPES["tiny"].n_embd)
+    expected = expected_weights(config)
+    assert "lm_head.weight" not in expected  # tied to the token embedding
+    assert "wte.weight" in expected and not any(k.startswith("transformer.") for k in expected)
+    assert expected <= checkpoint_weights(tiny_folder)
+
+
+def test_folder_check_refuses_what_would_load_wrongly(tiny_folder, tmp_path) -> None:
+    with pytest.raises(
+        ModelFolderError, match=r"describes .*, not size 'large' \(it is size 'tiny'\)"
+    ):
+        check_model_folder(tiny_folder, "large")
+    with pytest.raises(ModelFolderError, match="is not a folder"):
+        check_model_folder(tiny_folder / "config.json", "tiny")
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    with pytest.raises(ModelFolderError, match=r"has no config\.json"):
+        check_model_folder(partial, "tiny")
+    (partial / "config.json").write_bytes((tiny_folder / "config.json").read_bytes())
+    with pytest.raises(ModelFolderError, match="has no weights"):
+        check_model_folder(partial, "tiny")
+    state = load_file(tiny_folder / "model.safetensors")
+    save_file({k: v for k, v in state.items() if ".h.1." not in k}, partial / "model.safetensors")
+    with pytest.raises(ModelFolderError, match=r"lack \d+ tensors of GPT-2 \(e.g. h\.1\."):
+        check_model_folder(partial, "tiny")
+    (partial / "model.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(ModelFolderError, match="cannot read the weights"):
+        check_model_folder(partial, "tiny")
+
+
+def test_load_gpt2_sets_every_dropout_and_reports_weights_that_do_not_load(
+    tiny_folder, tmp_path
+) -> None:
+    model = load_gpt2("tiny", tiny_folder, dropout=0.25)
+    rates = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert rates == {0.25}
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((tiny_folder / "config.json").read_bytes())
+    data = (tiny_folder / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFolderError, match=f"cannot load {re.escape(str(broken))}"):
+        load_gpt2("tiny", broken)
