@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from effdl.cli import format_table
+from effdl.tables import format_table
 
 FORWARD = "forward"
 BACKWARD = "backward"
