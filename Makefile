@@ -64,7 +64,7 @@ demo-gpt2: $(STAMP)
 	@echo "== memory_efficient_gpt2: offloaded Adam on a tiny GPT-2 (quick)"
 	$(PY) memory_efficient_gpt2/train.py --quick --out $(RUNS)/gpt2
 	$(PY) memory_efficient_gpt2/train.py --quick --fixed-batch --out $(RUNS)/gpt2
-	$(PY) memory_efficient_gpt2/train.py --quick --baseline --out $(RUNS)/gpt2
+	$(PY) memory_efficient_gpt2/baseline.py --quick --out $(RUNS)/gpt2
 demo-swiglu: $(STAMP)
 	@echo "== swiglu_checkpoint: GPU ceilings (quick)"
 	$(PY) swiglu_checkpoint/gpu_ceilings.py --quick --device cpu --out $(RUNS)/ceilings

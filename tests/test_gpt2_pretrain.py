@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from effdl.cli import run_main
-from effdl.models.gpt2 import gpt2_config
+from effdl.gpt2_offload import config as train_config
+from effdl.gpt2_offload.inputs import make_batches, model_folder_config
+from effdl.models.gpt2 import gpt2_config, load_gpt2
 from effdl.results import RunLog, read_records
 from tests.script_loading import load_script
 
@@ -56,7 +58,7 @@ def pretrained(cache, tmp_path_factory):
 
 
 def test_presets_hold_out_train_pys_fixed_batch():
-    for ours, theirs in ((pretrain.FULL, train.FULL), (pretrain.QUICK, train.QUICK)):
+    for ours, theirs in ((pretrain.FULL, train_config.FULL), (pretrain.QUICK, train_config.QUICK)):
         assert ours.skip_tokens == theirs.batch * theirs.seq
         assert (ours.seq, ours.size, ours.bpe_vocab) == (theirs.seq, theirs.size, theirs.bpe_vocab)
         assert (ours.corpus_bytes, ours.cache) == (theirs.corpus_bytes, theirs.cache)
@@ -84,9 +86,9 @@ def test_saved_folder_loads_in_train_py_to_the_trained_weights(pretrained):
         p.name for p in folder.iterdir()
     }
     assert not [p for p in folder.parent.iterdir() if ".tmp" in p.name]
-    cfg = dataclasses.replace(train.QUICK, model_path=folder)
-    assert train.check_model_folder(cfg) is not None
-    loaded = train.load_model(cfg).state_dict()
+    quick = train_config.QUICK
+    assert model_folder_config(folder, quick.size, quick.seq) is not None
+    loaded = load_gpt2(quick.size, folder).state_dict()
     assert loaded.keys() == pretrained["weights"].keys()
     for name, value in pretrained["weights"].items():
         assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], value), name
@@ -97,9 +99,9 @@ def test_fixed_batch_is_the_held_out_head_of_the_identical_stream(pretrained, ca
     its fixed batch is pretraining's held-out head, and pretraining's windows are the stream
     from just past it."""
     vocab = gpt2_config("tiny").vocab_size
-    cfg = dataclasses.replace(train.QUICK, fixed_batch=True, cache=cache)
-    via_bpe, _ = train.make_batches(cfg, vocab, seed=0)
-    via_folder, names = train.make_batches(
+    cfg = dataclasses.replace(train_config.QUICK, fixed_batch=True, cache=cache)
+    via_bpe, _ = make_batches(cfg, vocab, seed=0)
+    via_folder, names = make_batches(
         dataclasses.replace(cfg, model_path=pretrained["folder"]), vocab, seed=0
     )
     assert names["tokenizer"] == str(pretrained["folder"])
@@ -107,7 +109,7 @@ def test_fixed_batch_is_the_held_out_head_of_the_identical_stream(pretrained, ca
     data = pretrain.pretrain_data(dataclasses.replace(pretrain.QUICK, cache=cache))
     assert torch.equal(data.heldout, via_folder[0])
     long = dataclasses.replace(cfg, fixed_batch=False, steps=3)  # the stream's first 3 batches
-    stream = torch.cat([b.flatten() for b in train.make_batches(long, vocab, seed=0)[0]])
+    stream = torch.cat([b.flatten() for b in make_batches(long, vocab, seed=0)[0]])
     head = len(data.heldout.flatten())
     after = data.windows.flatten()[: len(stream) - head]
     assert torch.equal(stream[head:], after)

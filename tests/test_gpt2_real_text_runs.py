@@ -1,6 +1,6 @@
 """memory_efficient_gpt2/train.py on real text: the stdlib corpus by default (records name it),
 the synthetic stream only when asked, the lr warm-up, the AdamW reference run from the same
-weights (equivalence record), and torchao's peer refused in one line when torchao is missing."""
+weights (equivalence record); peer_torchao.py refused in one line when torchao is missing."""
 
 import dataclasses
 import itertools
@@ -10,10 +10,13 @@ import sys
 import pytest
 
 from effdl.cli import run_main
+from effdl.gpt2_offload.config import FULL
+from effdl.gpt2_offload.inputs import lr_at
 from effdl.results import read_records
 from tests.script_loading import load_script
 
 train = load_script("memory_efficient_gpt2", "train")
+peer = load_script("memory_efficient_gpt2", "peer_torchao")
 
 
 @pytest.fixture(scope="module")
@@ -21,26 +24,26 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("stdlib_cache")
 
 
-def run_train(argv, out, cache, monkeypatch, capsys) -> tuple[int, list[str]]:
-    """``train.py --quick ARGV`` in this process: (exit code, stderr lines)."""
-    argv = ["train.py", "--quick", *argv, "--cache", str(cache), "--out", str(out)]
+def run_train(argv, out, cache, monkeypatch, capsys, script=train) -> tuple[int, list[str]]:
+    """``train.py --quick ARGV`` (or another script's) in this process: (exit code, stderr
+    lines)."""
+    name = script.__file__.rsplit("/", 1)[-1]
+    argv = [name, "--quick", *argv, "--cache", str(cache), "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as e:
-        run_main(train.main)
+        run_main(script.main)
     return e.value.code, capsys.readouterr().err.strip().splitlines()
 
 
 def test_lr_warms_up_linearly_then_stays_or_decays_to_a_tenth():
-    cfg = dataclasses.replace(train.FULL, lr=1e-3, warmup_steps=4, steps=10)
-    assert [train.lr_at(s, cfg) for s in range(5)] == pytest.approx(
-        [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3]
-    )
-    assert train.lr_at(9, cfg) == 1e-3
+    cfg = dataclasses.replace(FULL, lr=1e-3, warmup_steps=4, steps=10)
+    assert [lr_at(s, cfg) for s in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    assert lr_at(9, cfg) == 1e-3
     cosine = dataclasses.replace(cfg, lr_schedule="cosine")
-    lrs = [train.lr_at(s, cosine) for s in range(10)]
+    lrs = [lr_at(s, cosine) for s in range(10)]
     assert lrs[4] == pytest.approx(1e-3) and lrs[9] == pytest.approx(1e-4)
     assert all(a > b for a, b in itertools.pairwise(lrs[4:]))
-    assert train.lr_at(0, dataclasses.replace(cfg, warmup_steps=0)) == 1e-3
+    assert lr_at(0, dataclasses.replace(cfg, warmup_steps=0)) == 1e-3
 
 
 def test_default_data_is_the_stdlib_corpus_and_generated_is_asked_for(
@@ -87,7 +90,6 @@ def test_reference_run_starts_from_our_weights_and_tracks_our_loss(
             ["--reference", "adamw", "--weight-decay", "0.1"],
             "--reference adamw needs --weight-decay 0",
         ),
-        (["--peer", "torchao", "--reference", "adamw"], "--reference and --peer are separate runs"),
         (["--bpe-vocab", "60000"], "--bpe-vocab 60000 exceeds the 50257 ids"),
         (["--data", "nowhere.parquet"], "--data: nowhere.parquet"),
     ],
@@ -101,16 +103,16 @@ def test_conflicting_flags_are_refused_in_one_line(argv, message, tmp_path, monk
 
 def test_torchao_missing_is_one_line_naming_the_package(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
-    code, err = run_train(["--peer", "torchao"], tmp_path / "out", tmp_path, monkeypatch, capsys)
-    assert (code, err) == (2, [f"train.py: error: {train.TORCHAO_MISSING}"])
+    code, err = run_train([], tmp_path / "out", tmp_path, monkeypatch, capsys, script=peer)
+    assert (code, err) == (2, [f"peer_torchao.py: error: {peer.TORCHAO_MISSING}"])
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.gpu
 def test_torchao_peer_runs_inside_the_cap(cache, tmp_path, monkeypatch, capsys):
     pytest.importorskip("torchao")
-    argv = ["--device", "cuda", "--peer", "torchao", "--steps", "3", "--memory-cap-gib", "4"]
-    code, _ = run_train(argv, tmp_path, cache, monkeypatch, capsys)
+    argv = ["--device", "cuda", "--steps", "3", "--memory-cap-gib", "4"]
+    code, _ = run_train(argv, tmp_path, cache, monkeypatch, capsys, script=peer)
     assert code == 0
     records = read_records(tmp_path / "gpt2.jsonl")
     assert [r["variant"] for r in records] == ["torchao"] * 3 + ["torchao_summary"]

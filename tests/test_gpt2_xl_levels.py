@@ -1,15 +1,23 @@
 """memory_efficient_gpt2/train.py's GPT-2-XL flags: --moments / --update-on /
 --grad-accumulation-dtype validated in one line, the --level presets resolved under the flags
-given beside them, level 3's GPU estimate within its cap, the host and GPU memory caps failing
-loudly before a record, and the summary's budget beside the measured peaks."""
+given beside them (effdl.gpt2_offload.config), level 3's GPU estimate within its cap
+(effdl.gpt2_offload.budget), the host and GPU memory caps failing loudly before a record, and
+the summary's budget beside the measured peaks."""
 
 import dataclasses
 import sys
 
 import pytest
+import torch
 
-from effdl.cli import run_main
-from effdl.optim.quantized_state import quantized_nbytes
+from effdl.cli import UsageError, base_parser, run_main
+from effdl.gpt2_offload.budget import gpu_estimate, optimizer_gpu_gib, pick_checkpoint_layers
+from effdl.gpt2_offload.config import ACCUMULATOR_DTYPES, LEVELS, TrainConfig, parse_train_args
+from effdl.gpt2_offload.steps import MemoryCapExceeded, check_memory_caps
+from effdl.models.gpt2 import build_gpt2, gpt2_config
+from effdl.optim import plan_offload
+from effdl.optim.offload import DEVICE_CHUNK_BLOCKS
+from effdl.optim.quantized_state import BLOCK_SIZE, quantized_nbytes
 from effdl.profiling.memory_budget import ESTIMATE_HEADROOM_GIB
 from effdl.results import read_records
 from tests.script_loading import load_script
@@ -17,7 +25,6 @@ from tests.script_loading import load_script
 train = load_script("memory_efficient_gpt2", "train")
 
 XL_PARAMS = 1_557_611_200
-XL_WTE = 50257 * 1600
 
 
 def run_train(argv, out, monkeypatch, capsys) -> tuple[int, list[str]]:
@@ -30,7 +37,7 @@ def run_train(argv, out, monkeypatch, capsys) -> tuple[int, list[str]]:
 
 def parsed(argv, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-    return train.parse_args()[1]
+    return parse_train_args(base_parser("train.py", "runs/gpt2"))[1]
 
 
 @pytest.mark.parametrize(
@@ -77,61 +84,65 @@ def test_level_presets_resolve_as_stated_and_given_flags_win(monkeypatch):
     assert (given.batch, given.seq) == (64, 1024)  # 64 x 1024 tokens per step
 
 
-def test_state_placement_of_level_3_keeps_the_host_under_16_gib():
-    cfg = parsed_level(3)
-    buckets = train.largest_buckets([XL_WTE, 1024 * 1600, 1600 * 6400, 3])
-    assert buckets == [XL_WTE, train.BUCKET_NUMEL]
-    state = {r["state"]: r for r in train.state_placement(XL_PARAMS, buckets, cfg)}
-    assert set(state) == {"working_weights", "master_weights", "exp_avg", "exp_avg_sq",
-                          "grad_accumulation", "device_update_scratch"}  # fmt: skip
-    assert state["exp_avg"]["bytes"] == quantized_nbytes(XL_PARAMS)
-    assert (state["master_weights"]["where"], state["grad_accumulation"]["where"]) == (
-        "host",
-        "gpu",
+def parsed_level(level: int, **flags) -> TrainConfig:
+    return TrainConfig(**{**LEVELS[level], "level": level, **flags})
+
+
+@pytest.fixture(scope="module")
+def xl_numels() -> list[int]:
+    with torch.device("meta"):
+        model = build_gpt2(gpt2_config("xl"))
+    numels = [p.numel() for p in model.parameters()]
+    assert sum(numels) == XL_PARAMS
+    return numels
+
+
+def xl_plan(numels: list[int], cfg: TrainConfig):
+    """The optimizer's plan for GPT-2-XL under ``cfg``, as train.py builds it."""
+    return plan_offload(
+        numels,
+        grad_accumulation=cfg.grad_accumulation,
+        grad_accumulation_dtype=ACCUMULATOR_DTYPES[cfg.grad_accumulation_dtype],
+        moments=cfg.moments,
+        update_on=cfg.update_on,
     )
-    assert (state["grad_accumulation"]["dtype"], state["grad_accumulation"]["bytes"]) == (
-        "bf16", 2 * XL_PARAMS,
-    )  # fmt: skip
-    host = train.placed_gib(list(state.values()), "host")
-    assert host == pytest.approx((4 * XL_PARAMS + 2 * quantized_nbytes(XL_PARAMS)) / 2**30)
-    assert host < 16
-    fp32 = train.state_placement(XL_PARAMS, buckets, parsed_level(1))
-    assert train.placed_gib(fp32, "host") == pytest.approx(18 * XL_PARAMS / 2**30)
 
 
-def parsed_level(level: int, **flags):
-    return train.TrainConfig(**{**train.LEVELS[level], "level": level, **flags})
+def test_level_3_keeps_the_host_under_16_gib_and_level_1_does_not(xl_numels):
+    host = xl_plan(xl_numels, parsed_level(3)).bytes_on("host")
+    assert host == 4 * XL_PARAMS + 2 * quantized_nbytes(XL_PARAMS) < 16 * 2**30
+    assert xl_plan(xl_numels, parsed_level(1)).bytes_on("host") == 18 * XL_PARAMS
 
 
-def level_3_estimate(accumulator: str) -> tuple[int | None, dict, dict]:
+def level_3_estimate(numels: list[int], accumulator: str) -> tuple[int | None, dict, dict]:
     """XL at level 3 with the given accumulator dtype, without a GPU (activations: the
     estimate's 36 d bytes per token and block): (automatic checkpoint choice, or None where
     nothing fits; GPU estimate at that choice; GPU estimate with all 48 blocks checkpointed)."""
     cfg = parsed_level(3, grad_accumulation_dtype=accumulator)
-    state = train.state_placement(XL_PARAMS, train.largest_buckets([XL_WTE, 1600 * 6400]), cfg)
-    every = train.gpu_estimate(cfg, XL_PARAMS, 48, None, state)
+    plan = xl_plan(numels, cfg)
+    every = gpu_estimate(cfg, XL_PARAMS, 48, None, plan)
     try:
-        ckpt = train.pick_checkpoint_layers(cfg, XL_PARAMS, None, train.optimizer_gpu_gib(state))
-    except train.UsageError:
+        ckpt = pick_checkpoint_layers(cfg, XL_PARAMS, None, optimizer_gpu_gib(plan))
+    except UsageError:
         return None, {}, every
-    return ckpt, train.gpu_estimate(cfg, XL_PARAMS, ckpt, None, state), every
+    return ckpt, gpu_estimate(cfg, XL_PARAMS, ckpt, None, plan), every
 
 
-def test_level_3_gpu_estimate_fits_11_gib_with_the_bf16_accumulator():
+def test_level_3_gpu_estimate_fits_11_gib_with_the_bf16_accumulator(xl_numels):
     """With the fp32 accumulator even 48 checkpointed blocks overrun the cap (as measured on an
     H100: out of memory at 10.74 GiB allocated); with the bf16 one the automatic choice fits
     within the cap less the estimate's headroom, and every block checkpointed fits easily. The
     two differ by the accumulator's 2 B per parameter, less the device step's fp32 copy of a
     chunk of bf16 gradients."""
     headroom = ESTIMATE_HEADROOM_GIB
-    ckpt, auto, every = level_3_estimate("bf16")
+    ckpt, auto, every = level_3_estimate(xl_numels, "bf16")
     assert auto["grad_accumulation"] == pytest.approx(2 * XL_PARAMS / 2**30)
     assert ckpt < 48 and auto["total"] + headroom <= 11.0
     assert auto["total"] == pytest.approx(sum(v for k, v in auto.items() if k != "total"))
     assert every["total"] + headroom < 10.0
-    fp32_ckpt, _, fp32_every = level_3_estimate("fp32")
+    fp32_ckpt, _, fp32_every = level_3_estimate(xl_numels, "fp32")
     assert fp32_ckpt is None and fp32_every["total"] > 11.0
-    chunk_copy = 4 * train.DEVICE_CHUNK_BLOCKS * train.BLOCK_SIZE
+    chunk_copy = 4 * DEVICE_CHUNK_BLOCKS * BLOCK_SIZE
     assert (fp32_every["total"] - every["total"]) * 2**30 == pytest.approx(
         2 * XL_PARAMS - chunk_copy
     )
@@ -144,20 +155,21 @@ def test_host_cap_below_the_resident_set_fails_loudly_before_any_record(
         sys, "argv",
         ["train.py", "--quick", "--host-memory-cap-gib", "0.01", "--out", str(tmp_path)],
     )  # fmt: skip
-    with pytest.raises(train.MemoryCapExceeded, match=r"after set-up: host resident set "
+    with pytest.raises(MemoryCapExceeded, match=r"after set-up: host resident set "
                        r"\d+\.\d{3} GiB exceeds --host-memory-cap-gib 0\.01"):  # fmt: skip
         train.main()
-    assert read_records(tmp_path / "gpt2.jsonl") == []
+    log = tmp_path / "gpt2.jsonl"
+    assert not log.exists() or read_records(log) == []
 
 
 def test_caps_are_checked_against_the_measured_peaks():
-    cfg = train.TrainConfig(memory_cap_gib=11.0, host_memory_cap_gib=16.0)
-    train.check_memory_caps(cfg, "step 3", 10.9, 15.9)
-    train.check_memory_caps(cfg, "step 3", float("nan"), 15.9)  # no GPU: nothing to check
-    with pytest.raises(train.MemoryCapExceeded, match=r"step 3: peak GPU memory 11\.200 GiB"):
-        train.check_memory_caps(cfg, "step 3", 11.2, 1.0)
-    with pytest.raises(train.MemoryCapExceeded, match=r"16\.500 GiB exceeds --host-memory-cap-gib"):
-        train.check_memory_caps(cfg, "step 3", 1.0, 16.5)
+    cfg = TrainConfig(memory_cap_gib=11.0, host_memory_cap_gib=16.0)
+    check_memory_caps(cfg, "step 3", 10.9, 15.9)
+    check_memory_caps(cfg, "step 3", float("nan"), 15.9)  # no GPU: nothing to check
+    with pytest.raises(MemoryCapExceeded, match=r"step 3: peak GPU memory 11\.200 GiB"):
+        check_memory_caps(cfg, "step 3", 11.2, 1.0)
+    with pytest.raises(MemoryCapExceeded, match=r"16\.500 GiB exceeds --host-memory-cap-gib"):
+        check_memory_caps(cfg, "step 3", 1.0, 16.5)
 
 
 def test_int8_run_records_the_budget_beside_the_measured_peaks(tmp_path, monkeypatch, capsys):

@@ -176,8 +176,8 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "gpt2-baseline",
-        "python3 memory_efficient_gpt2/train.py --device cuda --baseline --out runs/gpt2",
-        f"python3 memory_efficient_gpt2/train.py --device cuda --baseline {GPT2} --baseline-micro-batches 2 4 --out {{out}}",
+        "python3 memory_efficient_gpt2/baseline.py --device cuda --out runs/gpt2",
+        "python3 memory_efficient_gpt2/baseline.py --device cuda --size tiny --seq 128 --micro-batches 2 4 --out {out}",
         8,
         Headline("baseline_own_best", "seq_per_s", "seq/s"),
     ),
@@ -218,8 +218,8 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "gpt2-torchao",
-        "python3 memory_efficient_gpt2/train.py --device cuda --steps 8 --peer torchao --out runs/gpt2",
-        f"python3 memory_efficient_gpt2/train.py --device cuda --steps 3 --peer torchao {GPT2} --out {{out}}",
+        "python3 memory_efficient_gpt2/peer_torchao.py --device cuda --steps 8 --out runs/gpt2",
+        f"python3 memory_efficient_gpt2/peer_torchao.py --device cuda --steps 3 {GPT2} --out {{out}}",
         8,
         Headline("torchao_summary", "seq_per_s_median", "seq/s"),
         comment="torchao's CPUOffloadOptimizer, right after ours on the same host",
@@ -286,12 +286,12 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "gpt2-xl-baseline",
-        "python3 memory_efficient_gpt2/train.py --device cuda --size xl --baseline --out runs/gpt2",
-        "python3 memory_efficient_gpt2/train.py --device cuda --size xl --baseline --seq 128"
-        f" --baseline-micro-batches 2 {STDLIB} --out {{out}}",
+        "python3 memory_efficient_gpt2/baseline.py --device cuda --size xl --out runs/gpt2",
+        "python3 memory_efficient_gpt2/baseline.py --device cuda --size xl --seq 128"
+        " --micro-batches 2 --out {out}",
         25,
         Headline("baseline_own_best", "seq_per_s", "seq/s"),
-        comment="then --level 1, --level 3 on the same host",
+        comment="then train.py --level 1, --level 3 on the same host",
     ),
     GpuCommand(
         "gpt2-int8-update",

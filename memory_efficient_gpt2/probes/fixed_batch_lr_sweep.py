@@ -8,7 +8,8 @@ the stream). Per batch size a ``batch_entropy`` record: the loss a model reaches
 the batch's own token frequencies (unigram entropy) or each next token's frequencies after the
 token before it (bigram conditional entropy), the levels to hold the curves against. One
 ``reference_adamw`` record per step (its config carries lr, beta2 and batch) and a ``fall``
-record per run. Every other flag is ``memory_efficient_gpt2/train.py``'s.
+record per run. Every other flag is ``memory_efficient_gpt2/train.py``'s
+(effdl.gpt2_offload.config).
 
     python memory_efficient_gpt2/probes/fixed_batch_lr_sweep.py --lrs 3e-4 1e-3 --device cuda --steps 30
     python memory_efficient_gpt2/probes/fixed_batch_lr_sweep.py --lrs 3e-4 --batches 8 16 64 \
@@ -17,56 +18,42 @@ record per run. Every other flag is ``memory_efficient_gpt2/train.py``'s.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 
-from effdl.cli import UsageError, print_table, run_main, start_run
+from effdl.cli import UsageError, base_parser, print_table, run_main, start_run
 from effdl.data.token_streams import next_token_entropies
+from effdl.gpt2_offload.config import parse_train_args
+from effdl.gpt2_offload.inputs import make_batches
+from effdl.gpt2_offload.reference import run_reference
 from effdl.models.gpt2 import gpt2_config
-
-SCRIPT = Path(__file__).resolve().parent.parent / "train.py"
-
-
-def load_train():
-    """memory_efficient_gpt2/train.py as a module."""
-    spec = importlib.util.spec_from_file_location("gpt2_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
-    sweep = argparse.ArgumentParser(add_help=False)
-    sweep.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 1e-3])
-    sweep.add_argument("--beta2s", type=float, nargs="+", default=[0.999])
-    sweep.add_argument("--batches", type=int, nargs="+", default=None)
-    known, rest = sweep.parse_known_args()
-    train = load_train()
-    sys.argv = [sys.argv[0], "--fixed-batch", *rest]
-    args, cfg = train.parse_args()
-    for n in known.batches or []:
+    parser = base_parser(__doc__.splitlines()[0], default_out="runs/gpt2")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 1e-3])
+    parser.add_argument("--beta2s", type=float, nargs="+", default=[0.999])
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    args, cfg = parse_train_args(parser)
+    cfg = dataclasses.replace(cfg, fixed_batch=True)
+    for n in args.batches or []:
         try:
             dataclasses.replace(cfg, batch=n).validate()
         except UsageError as e:
             raise UsageError(f"--batches {n}: {e}") from None
-    run = start_run(args, task=train.TASK, logs="gpt2_fixed_batch_lr_sweep.jsonl")
+    run = start_run(args, task="gpt2", logs="gpt2_fixed_batch_lr_sweep.jsonl")
     falls = []
-    for batch in known.batches or [cfg.batch]:
+    for batch in args.batches or [cfg.batch]:
         at_batch = dataclasses.replace(cfg, batch=batch)
-        batches, data = train.make_batches(at_batch, gpt2_config(cfg.size).vocab_size, args.seed)
+        batches, data = make_batches(at_batch, gpt2_config(cfg.size).vocab_size, args.seed)
         floors = next_token_entropies(batches[0])
         run.log.log("batch_entropy", {"batch": batch, "seq": cfg.seq, **data}, floors)
-        for lr, beta2 in itertools.product(known.lrs, known.beta2s):
+        for lr, beta2 in itertools.product(args.lrs, args.beta2s):
             at = dataclasses.replace(at_batch, lr=lr)
             config = {**dataclasses.asdict(at), "beta2": beta2, **data}  # paths: the log writes str
-            rows = train.run_reference(
+            rows = run_reference(
                 at, batches, run.device, run.log, args.seed, config, betas=(0.9, beta2)
             )
             losses = [r["loss"] for r in rows]
