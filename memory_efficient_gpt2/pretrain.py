@@ -1,8 +1,8 @@
 """Pretrain GPT-2 on the stdlib corpus, for train.py's fixed-batch test to start from.
 
 From random init, 30 steps on one fixed batch take the loss only down to the batch's unigram
-entropy (a 43% fall: ``reports/results/gpt2/gpt2_large_fixed_batch_lr_sweep.jsonl``): a model
-that knows no context cannot memorize faster. A few minutes of pretraining give one that does.
+entropy (``probes/fixed_batch_lr_sweep.py`` logs both): a model that knows no context cannot
+memorize faster. A few minutes of pretraining give one that does.
 
     python memory_efficient_gpt2/pretrain.py --quick                      # CPU smoke run, tiny GPT-2
     python memory_efficient_gpt2/pretrain.py --device cuda --minutes 4.5 --save /tmp/ckpt
@@ -91,10 +91,10 @@ class PretrainConfig:
     """Settings of one pretraining run (``--quick``: :data:`QUICK`)."""
 
     size: str = "large"
-    steps: int = 400  # the cosine's length; about 250 s of GPT-2-Large at 52 seq/s on an H100
+    steps: int = 400  # the cosine's length (--minutes may stop the run earlier)
     batch: int = 32  # sequences per optimizer step
     seq: int = 1024
-    micro_batch: int = 8  # GPT-2-Large: about 27 GiB peak on an H100 (fixed-batch sweep log)
+    micro_batch: int = 8  # sequences per forward/backward (fp32 weights, no checkpointing)
     lr: float = 3e-4
     warmup_steps: int = 40
     weight_decay: float = 0.1

@@ -129,8 +129,7 @@ def level_3_estimate(numels: list[int], accumulator: str) -> tuple[int | None, d
 
 
 def test_level_3_gpu_estimate_fits_11_gib_with_the_bf16_accumulator(xl_numels):
-    """With the fp32 accumulator even 48 checkpointed blocks overrun the cap (as measured on an
-    H100: out of memory at 10.74 GiB allocated); with the bf16 one the automatic choice fits
+    """With the fp32 accumulator even 48 checkpointed blocks overrun the cap; with the bf16 one the automatic choice fits
     within the cap less the estimate's headroom, and every block checkpointed fits easily. The
     two differ by the accumulator's 2 B per parameter, less the device step's fp32 copy of a
     chunk of bf16 gradients."""
