@@ -39,10 +39,8 @@ on the same CPU) and its own block of cores; the logs record the share.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,26 +58,21 @@ from effdl.cli import (
     start_run,
 )
 from effdl.data.digits import DigitsData, DigitsDataError, load_digits_tensors
-from effdl.parallel import (
-    ColumnParallelLinear,
-    ParallelLayerNorm,
-    ParallelMLP,
-    ParallelTransformerBlock,
-    RowParallelLinear,
-    accumulated_backward,
-    available_cores,
-    cpu_threads,
-    init_from_env,
-    share_cpu,
-    spawn,
+from effdl.parallel import init_from_env, share_cpu, spawn
+from effdl.parallel.classifiers import (
+    ACTIVATIONS,
+    LEVELS,
+    TrainResult,
+    level_model,
+    parallelize,
+    train_classifier,
 )
-from effdl.profiling.timing import RegionTimer, TimingStats, synchronize
+from effdl.parallel.dtensor_comparison import time_parallel_mlps
+from effdl.parallel.launch import cpu_share_record, round_robin_device
 
 TASK = "parallelism"
-LEVELS = ("mlp", "norm", "block")
 BACKENDS = ("gloo", "nccl")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
 LOGS = {
     "curves": "tensor_parallel_curves.jsonl",
     "step_time": "tensor_parallel_step_time.jsonl",
@@ -177,117 +170,25 @@ def parse_args() -> tuple[argparse.Namespace, TensorParallelConfig]:
     return args, flags.resolve(args)
 
 
-# ------------------------------------------------------------------------------------ models
-class RowTokenClassifier(nn.Module):
-    """Image rows as tokens: (N, C, H, W) -> H tokens of C*W pixels -> linear embedding plus a
-    learned position embedding -> ``block`` -> LayerNorm -> mean over tokens -> class logits."""
-
-    def __init__(self, image_shape: tuple[int, int, int], block: nn.Module, d_model: int) -> None:
-        super().__init__()
-        channels, height, width = image_shape
-        self.embed = nn.Linear(channels * width, d_model)
-        self.position = nn.Parameter(0.02 * torch.randn(height, d_model))
-        self.block = block
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, 10)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        tokens = images.permute(0, 2, 1, 3).flatten(2)
-        return self.head(self.norm(self.block(self.embed(tokens) + self.position)).mean(1))
-
-
-def reference_model(level: str, cfg: TensorParallelConfig, image_shape, seed: int) -> nn.Module:
-    """The single-process model of ``level``; the same ``seed`` gives the same weights."""
-    torch.manual_seed(seed)
-    features = image_shape[0] * image_shape[1] * image_shape[2]
-    if level == "block":
-        layer = nn.TransformerEncoderLayer(
-            cfg.d_model, cfg.heads, cfg.hidden, dropout=0.0, activation=cfg.activation,
-            batch_first=True, norm_first=True,
-        )  # fmt: skip
-        model = RowTokenClassifier(image_shape, layer, cfg.d_model)
-    else:
-        norm = [nn.LayerNorm(cfg.hidden)] if level == "norm" else []
-        first, last = nn.Linear(features, cfg.hidden), nn.Linear(cfg.hidden, 10)
-        model = nn.Sequential(nn.Flatten(), first, *norm, ACTIVATIONS[cfg.activation](), last)
-    return model.to(DTYPES[cfg.dtype])
-
-
-def parallelize(level: str, model: nn.Module) -> nn.Module:
-    """The tensor-parallel twin of ``reference_model(level)`` over the default process group
-    (this rank's shards of its weights; replicated layers are used as they are)."""
-    if level == "block":
-        model.block = ParallelTransformerBlock.from_encoder_layer(model.block)
-        return model
-    if level == "mlp":
-        flatten, first, act, last = model
-        return nn.Sequential(flatten, ParallelMLP.from_linears(first, act, last))
-    flatten, first, norm, act, last = model
-    return nn.Sequential(
-        flatten,
-        ColumnParallelLinear.from_linear(first, gather_output=False),
-        ParallelLayerNorm.from_layer_norm(norm),
-        act,
-        RowParallelLinear.from_linear(last, input_is_parallel=True),
-    )
-
-
 # ---------------------------------------------------------------------------------- training
-@dataclass(frozen=True)
-class TrainResult:
-    losses: list[float]
-    test_accuracy: float
-    step_time: TimingStats  # seconds, the steps after warm-up
-
-
-def batch_indices(n_train: int, cfg: TensorParallelConfig, seed: int) -> list[torch.Tensor]:
-    """The rows of every step: seeded epoch permutations, so every rank and the reference see
-    the same batches in the same order."""
-    g = torch.Generator().manual_seed(seed)
-    epochs = -(-cfg.steps * cfg.batch // n_train)
-    order = torch.cat([torch.randperm(n_train, generator=g) for _ in range(epochs)])
-    return list(order[: cfg.steps * cfg.batch].view(cfg.steps, cfg.batch))
+def reference_model(
+    level: str, cfg: TensorParallelConfig, image_shape: tuple[int, int, int], seed: int
+) -> nn.Module:
+    """The single-process model of ``level`` with this run's sizes (same seed, same weights)."""
+    return level_model(
+        level, image_shape, hidden=cfg.hidden, d_model=cfg.d_model, heads=cfg.heads,
+        activation=cfg.activation, dtype=DTYPES[cfg.dtype], seed=seed,
+    )  # fmt: skip
 
 
 def train(
-    model: nn.Module,
-    data: DigitsData,
-    cfg: TensorParallelConfig,
-    seed: int,
-    device,
-    parts: int = 1,
+    model: nn.Module, data: DigitsData, cfg: TensorParallelConfig, seed: int, device, parts: int = 1
 ) -> TrainResult:
-    """``cfg.steps`` Adam steps of cross-entropy on the seeded batches, each batch's gradient
-    accumulated over ``parts`` slices (:func:`effdl.parallel.accumulated_backward`); the loss of
-    each step (before its update), the test accuracy after the last, and the step times."""
-    dtype = DTYPES[cfg.dtype]
-    model.to(device)
-    x_train, y_train = data.x_train.to(device, dtype), data.y_train.to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    timer, losses = RegionTimer(device), []
-    for step, rows in enumerate(batch_indices(len(y_train), cfg, seed)):
-        rows = rows.to(device)
-        if step >= cfg.warmup:
-            timer.start()
-        optimizer.zero_grad(set_to_none=True)
-        loss = accumulated_backward(model, x_train[rows], y_train[rows], parts)
-        optimizer.step()
-        if step >= cfg.warmup:
-            timer.stop()
-        losses.append(loss.item())
-    model.eval()
-    with torch.no_grad():
-        logits = model(data.x_test.to(device, dtype))
-    accuracy = (logits.argmax(-1).cpu() == data.y_test).float().mean().item()
-    return TrainResult(losses, accuracy, timer.stats())
-
-
-def rank_device(backend: str) -> torch.device:
-    if backend == "nccl":
-        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+    """:func:`effdl.parallel.classifiers.train_classifier` with this run's settings."""
+    return train_classifier(
+        model, data, steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, warmup=cfg.warmup,
+        dtype=DTYPES[cfg.dtype], seed=seed, device=device, parts=parts,
+    )  # fmt: skip
 
 
 def use_cpu_share(rank: int, world: int, cfg: TensorParallelConfig) -> None:
@@ -304,7 +205,7 @@ def train_rank(
     reference, the model sharded."""
     use_cpu_share(rank, world, cfg)
     model = parallelize(level, reference_model(level, cfg, data.image_shape, seed))
-    return train(model, data, cfg, seed, rank_device(cfg.backend))
+    return train(model, data, cfg, seed, round_robin_device(cfg.backend, dist.get_rank()))
 
 
 def train_parallel(
@@ -338,13 +239,9 @@ def train_single(
 
 
 def train_reference(
-    level: str,
-    cfg: TensorParallelConfig,
-    data: DigitsData,
-    seed: int,
-    device,
+    level: str, cfg: TensorParallelConfig, data: DigitsData, seed: int, device: torch.device,
     parts: tuple[int, ...] = (1,),
-) -> list[TrainResult]:
+) -> list[TrainResult]:  # fmt: skip
     """:func:`train_single` in a process of its own, with the CPU threads it is given there (this
     process stays single-threaded so that it can fork, see :func:`main`), unless this process
     is a torchrun rank or forks no ranks (``--reference``)."""
@@ -365,20 +262,6 @@ def reference_device(cfg: TensorParallelConfig, run) -> torch.device:
     )
 
 
-def max_relative_gap(curve: list[float], reference: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(curve, reference, strict=True))
-
-
-def cpu_config(world: int, cfg: TensorParallelConfig) -> dict:
-    """The CPU share of each rank of ``world`` (see :func:`use_cpu_share`)."""
-    return {
-        "cpu_cores": os.cpu_count(),
-        "cores_available": available_cores(),
-        "threads_per_rank": cpu_threads(world, cfg.threads),
-        "load_avg_1min": os.getloadavg()[0],  # other work on the host skews the CPU timings
-    }
-
-
 def run_config(level: str, world: int, cfg: TensorParallelConfig, source: str) -> dict:
     keys = ("steps", "batch", "lr", "hidden", "d_model", "heads", "activation", "warmup", "dtype",
             "backend")  # fmt: skip
@@ -386,68 +269,20 @@ def run_config(level: str, world: int, cfg: TensorParallelConfig, source: str) -
         "level": level,
         "world_size": world,
         "data": source,
-        **cpu_config(world, cfg),
+        **cpu_share_record(world, cfg.threads),
         **{k: getattr(cfg, k) for k in keys},
     }
 
 
-def result_metrics(result: TrainResult) -> dict:
-    return {
-        "losses": result.losses,
-        "final_loss": result.losses[-1],
-        "test_accuracy": result.test_accuracy,
-        **{f"step_ms_{k}": v * 1e3 for k, v in asdict(result.step_time).items() if k != "n"},
-        "timed_steps": result.step_time.n,
-    }
-
-
-# ------------------------------------------------------------------------------ DTensor bench
 def time_mlps(rank: int, world: int, cfg: TensorParallelConfig, seed: int) -> list[dict]:
-    """Forward+backward of ``width -> 4 width -> width`` MLPs (ReLU): ours (ParallelMLP) and
-    torch's ColwiseParallel/RowwiseParallel from the same weights. Each round starts all ranks
-    together (synchronize, barrier) and times ``bench_iters`` iterations of one model by the
-    wall clock until its GPU work is done, so the time holds both ranks' host work and the
-    waits in the collectives (GPU events on one rank would book the other rank's lateness to
-    whichever model's collective absorbs it). Rounds alternate the models. One row per width
-    (milliseconds per iteration, rank 0's clock)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
+    """One rank of the DTensor comparison (for :func:`spawn`): its CPU share and device, then
+    :func:`effdl.parallel.dtensor_comparison.time_parallel_mlps` (rank 0's clock is logged)."""
     use_cpu_share(rank, world, cfg)
-    device = rank_device(cfg.backend)
-    mesh = init_device_mesh(device.type, (world,))
-    rows = []
-    for width in cfg.bench_width:
-        torch.manual_seed(seed)
-        full = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
-        full = full.to(device, DTYPES[cfg.dtype])
-        ours = ParallelMLP.from_linears(full[0], full[1], full[2])
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-        theirs = parallelize_module(copy.deepcopy(full), mesh, plan)
-        x = torch.randn(cfg.bench_batch, width, device=device, dtype=DTYPES[cfg.dtype])
-        models = {"ours": ours, "dtensor": theirs}
-        times: dict[str, list[float]] = {name: [] for name in models}
-        for rnd in range(cfg.warmup + cfg.bench_rounds):
-            for name, model in models.items():
-                synchronize(device)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(cfg.bench_iters):
-                    model.zero_grad(set_to_none=True)
-                    model(x).sum().backward()
-                synchronize(device)
-                if rnd >= cfg.warmup:
-                    times[name].append((time.perf_counter() - start) / cfg.bench_iters)
-        gap = (ours(x) - theirs(x)).abs().max().item()
-        for name, seconds in times.items():
-            stats = TimingStats.from_times(seconds).as_dict()
-            ms = {f"fwd_bwd_ms_{k}": v * 1e3 for k, v in stats.items() if k != "n"}
-            rows.append({"impl": name, "width": width, **ms, "max_abs_output_diff": gap})
-    return rows
+    return time_parallel_mlps(
+        round_robin_device(cfg.backend, dist.get_rank()), cfg.bench_width, batch=cfg.bench_batch,
+        dtype=DTYPES[cfg.dtype], iters=cfg.bench_iters, rounds=cfg.bench_rounds,
+        warmup_rounds=cfg.warmup, seed=seed,
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------- main
@@ -489,15 +324,15 @@ def learning_curves(cfg, data: DigitsData, seed: int, run, leader: bool) -> None
         device = reference_device(cfg, run)
         reference, halves = train_reference(level, cfg, data, seed, device, parts=(1, 2))
         log = run.logs[Path(LOGS["curves"]).stem]
-        log.log(f"{level}_reference", run_config(level, 1, cfg, source), result_metrics(reference))
+        log.log(f"{level}_reference", run_config(level, 1, cfg, source), reference.metrics())
         rows.append(summary_row(level, "reference", reference))
-        gap = max_relative_gap(halves.losses, reference.losses)
-        metrics = {**result_metrics(halves), "max_rel_gap_vs_reference": gap}
+        gap = halves.max_relative_gap(reference)
+        metrics = {**halves.metrics(), "max_rel_gap_vs_reference": gap}
         log.log(f"{level}_reference_halves", run_config(level, 1, cfg, source), metrics)
         rows.append({**summary_row(level, "reference, halves", halves), "max_rel_gap": gap})
         for world, result in parallel.items():
-            gap = max_relative_gap(result.losses, reference.losses)
-            metrics = {**result_metrics(result), "max_rel_gap_vs_reference": gap}
+            gap = result.max_relative_gap(reference)
+            metrics = {**result.metrics(), "max_rel_gap_vs_reference": gap}
             log.log(f"{level}_parallel", run_config(level, world, cfg, source), metrics)
             rows.append({**summary_row(level, f"parallel x{world}", result), "max_rel_gap": gap})
     if leader:
@@ -529,7 +364,7 @@ def sweep_world(cfg, data: DigitsData, seed: int, run) -> None:
         }
         for mode, (world, result) in results.items():
             variant = f"{level}_{mode.split()[0]}"
-            log.log(variant, run_config(level, world, cfg, source), result_metrics(result))
+            log.log(variant, run_config(level, world, cfg, source), result.metrics())
             rows.append(summary_row(level, mode, result))
     print_table(rows, title=f"step time vs world size on {run.where} ({os.cpu_count()} cores)")
 
@@ -549,7 +384,7 @@ def compare_dtensor(cfg, seed: int, run, leader: bool) -> None:
             config = {"world_size": world, "batch": cfg.bench_batch, "width": row["width"],
                       "hidden": 4 * row["width"], "dtype": cfg.dtype, "backend": cfg.backend,
                       "iters": cfg.bench_iters, "warmup": cfg.warmup,
-                      **cpu_config(world, cfg)}  # fmt: skip
+                      **cpu_share_record(world, cfg.threads)}  # fmt: skip
             metrics = {k: v for k, v in row.items() if k not in ("impl", "width")}
             log.log(f"mlp_{row['impl']}", config, metrics)
             table.append({"world": world, "width": row["width"], "impl": row["impl"],

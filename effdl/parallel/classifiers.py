@@ -3,16 +3,19 @@
 The pipeline's MLP of equal-work blocks (:func:`equal_work_mlp`), the tensor-parallel levels'
 single-process models (:func:`level_model`) and their sharded twins (:func:`parallelize`), and
 the seeded batch order that every rank and every single-process reference share
-(:func:`epoch_batches`).
+(:func:`epoch_batches`), and Adam training of any of them (:func:`train_classifier`).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
+from effdl.data.digits import DigitsData
+from effdl.parallel.pipeline import accumulated_backward
 from effdl.parallel.tensor import (
     ColumnParallelLinear,
     ParallelLayerNorm,
@@ -20,6 +23,7 @@ from effdl.parallel.tensor import (
     ParallelTransformerBlock,
     RowParallelLinear,
 )
+from effdl.profiling.timing import RegionTimer, TimingStats
 
 LEVELS = ("mlp", "norm", "block")
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
@@ -125,3 +129,65 @@ def parallelize(level: str, model: nn.Module) -> nn.Module:
         act,
         RowParallelLinear.from_linear(last, input_is_parallel=True),
     )
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """A classifier's training: the loss of every step (before its update), the test accuracy
+    after the last step, and the step times after warm-up (seconds)."""
+
+    losses: list[float]
+    test_accuracy: float
+    step_time: TimingStats
+
+    def metrics(self) -> dict:
+        """The run-log metrics: the loss curve, final loss, test accuracy, step-time stats (ms)."""
+        return {
+            "losses": self.losses,
+            "final_loss": self.losses[-1],
+            "test_accuracy": self.test_accuracy,
+            **{f"step_ms_{k}": v * 1e3 for k, v in asdict(self.step_time).items() if k != "n"},
+            "timed_steps": self.step_time.n,
+        }
+
+    def max_relative_gap(self, reference: TrainResult) -> float:
+        """The largest relative difference of this loss curve from ``reference``'s, step by step."""
+        pairs = zip(self.losses, reference.losses, strict=True)
+        return max(abs(a - b) / abs(b) for a, b in pairs)
+
+
+def train_classifier(
+    model: nn.Module,
+    data: DigitsData,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    warmup: int,
+    dtype: torch.dtype,
+    seed: int,
+    device: torch.device,
+    parts: int = 1,
+) -> TrainResult:
+    """``steps`` Adam steps of cross-entropy on the seeded batches (:func:`epoch_batches`), each
+    batch's gradient accumulated over ``parts`` slices (:func:`accumulated_backward`); the first
+    ``warmup`` steps are left out of the timing. Moves ``model`` to ``device``."""
+    model.to(device)
+    x_train, y_train = data.x_train.to(device, dtype), data.y_train.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    timer, losses = RegionTimer(device), []
+    for step, rows in enumerate(epoch_batches(len(y_train), batch, steps, seed)):
+        rows = rows.to(device)
+        if step >= warmup:
+            timer.start()
+        optimizer.zero_grad(set_to_none=True)
+        loss = accumulated_backward(model, x_train[rows], y_train[rows], parts)
+        optimizer.step()
+        if step >= warmup:
+            timer.stop()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        logits = model(data.x_test.to(device, dtype))
+    accuracy = (logits.argmax(-1).cpu() == data.y_test).float().mean().item()
+    return TrainResult(losses, accuracy, timer.stats())

@@ -229,6 +229,29 @@ def share_cpu(local_rank: int, world: int, threads: int = 0) -> CpuShare:
     return CpuShare(n, cores)
 
 
+def cpu_share_record(world: int, threads: int = 0) -> dict:
+    """What a run log records of the CPU that ``world`` local ranks share: the host's CPUs, the
+    usable ones, each rank's intra-op threads and the load average (other work on the host
+    skews CPU timings)."""
+    return {
+        "cpu_cores": os.cpu_count(),
+        "cores_available": available_cores(),
+        "threads_per_rank": cpu_threads(world, threads),
+        "load_avg_1min": os.getloadavg()[0],
+    }
+
+
+def round_robin_device(backend: str, rank: int) -> torch.device:
+    """The device of ``rank`` (local to its host): with NCCL the GPU ``rank % device_count``,
+    made current (ranks share GPUs round-robin when there are more ranks than GPUs); with any
+    other backend the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_from_env(backend: str | None = None) -> torch.device:
     """Join the process group described by ``torchrun``'s environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK) and return this rank's device: ``cuda:LOCAL_RANK``

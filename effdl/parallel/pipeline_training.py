@@ -26,7 +26,7 @@ from torch import nn
 from effdl.cli import UsageError, require_choices, require_positive
 from effdl.data.digits import DigitsDataError, load_digits_tensors
 from effdl.parallel.classifiers import epoch_batches, equal_work_mlp, multiply_adds
-from effdl.parallel.launch import share_cpu, spawn
+from effdl.parallel.launch import round_robin_device, share_cpu, spawn
 from effdl.parallel.pipeline import (
     SCHEDULES,
     PipelineStage,
@@ -280,11 +280,8 @@ def rank_result(
     """This rank's run. NCCL ranks take GPU ``local_rank % count``: round-robin, so 4 stages
     on 2 GPUs put neighbouring stages on different GPUs. CPU ranks take their share of this
     host's cores (effdl.parallel.launch.share_cpu)."""
-    device, cores = torch.device("cpu"), ()
-    if cfg.backend == "nccl":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
+    device, cores = round_robin_device(cfg.backend, local_rank), ()
+    if cfg.backend != "nccl":
         cores = share_cpu(local_rank, local_world, cfg.threads).cores
     entry = long_rank if cfg.long else torch_rank if cfg.compare_torch else train_rank
     return {**entry(rank, world, cfg, device, control), "cpu_cores": list(cores)}
