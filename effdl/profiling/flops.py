@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from effdl.models.llama import TransformerModelArgs, count_parameters
 from effdl.profiling.timing import TimingStats, benchmark
@@ -74,27 +74,43 @@ def measure_copy_bandwidth(
     return 2 * nbytes / stats.median / 1e9, stats
 
 
-class MatmulCounter(TorchDispatchMode):
+def _one_call(*_shapes: object, **_kwargs: object) -> int:
+    """A FLOP formula that counts each call as 1: :class:`MatmulCounter`'s counts are calls."""
+    return 1
+
+
+class MatmulCounter:
     """Counts the aten matmuls that execute inside the region, by op name.
 
-    It sits below autograd, so it sees what runs, not what is dispatched: a GEMM that
-    ``torch.utils.checkpoint``'s early stop aborts before its kernel starts is not counted (the
-    profiler's op events do list it).
+    A ``torch.utils.flop_counter.FlopCounterMode`` whose formula for each op of
+    :data:`MATMUL_OPS` is one per call. It sits below autograd, so it sees what runs, not what
+    is dispatched: the backward's GEMMs are counted, and a GEMM that
+    ``torch.utils.checkpoint``'s early stop aborts before its kernel starts is not (the
+    profiler's op events do list it). ``counts`` (a Counter by op name, e.g. ``"mm"``) and
+    ``total`` can be read inside the region and after it; entering again starts from zero.
+    The mode tracks modules too: under ``torch.inference_mode`` a module must not be given an
+    input that requires grad (detach it), or torch's module tracker raises.
     """
 
     def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
+        mapping = {getattr(torch.ops.aten, name): _one_call for name in MATMUL_OPS}
+        self._mode = FlopCounterMode(display=False, custom_mapping=mapping)
+
+    def __enter__(self) -> MatmulCounter:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    @property
+    def counts(self) -> Counter[str]:
+        calls = self._mode.get_flop_counts().get("Global", {})
+        return Counter({op.__name__: n for op, n in calls.items() if op.__name__ in MATMUL_OPS})
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in MATMUL_OPS:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def peak_bf16_tflops(gpu_name: str) -> float | None:

@@ -86,3 +86,24 @@ def test_swiglu_benchmark_gemm_table_equals_the_matmuls_that_run(variant):
     with MatmulCounter() as counter:
         model(x).backward(torch.randn_like(x))
     assert counter.total == bench.GEMMS[variant] * layers
+
+
+def test_matmul_counter_counts_forward_and_backward_matmuls_by_op_name():
+    from effdl.profiling.flops import MatmulCounter
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    a, b = torch.randn(2, 3, 5, requires_grad=True), torch.randn(2, 5, 4)
+    with MatmulCounter() as counter:
+        out = linear(x)  # addmm
+        assert counter.counts == {"addmm": 1} and counter.total == 1
+        out = out.sum() + torch.bmm(a, b).sum() + torch.baddbmm(torch.zeros(2, 3, 4), a, b).sum()
+        out.backward()  # Linear: mm for dx and dW; bmm and baddbmm: one bmm each for da
+        torch.zeros(3, 3).addmm_(torch.randn(3, 3), torch.randn(3, 3))
+        torch.relu(x).exp().sum()
+    assert counter.counts == {"addmm": 1, "mm": 2, "bmm": 3, "baddbmm": 1, "addmm_": 1}
+    assert counter.total == 8
+    with counter:  # entering again starts from zero
+        torch.mm(torch.randn(2, 2), torch.randn(2, 2))
+    assert counter.counts == {"mm": 1}
