@@ -38,11 +38,8 @@ rounds: the kernels' own time, what the bandwidth fraction is about.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +59,15 @@ from effdl.cli import (
 )
 from effdl.ops.layer_norm import FusedLayerNorm, FusedLayerNormFunction, cpp_op, uses_triton
 from effdl.profiling.flops import measure_copy_bandwidth
-from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_variants
+from effdl.profiling.harness import (
+    HarnessConfig,
+    Regions,
+    Variant,
+    capture_graph,
+    graph_replay_times,
+    host_timed,
+    time_variants,
+)
 from effdl.profiling.timing import TimingStats, median_ratio_ci
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,15 +93,8 @@ class Shape:
         return PASSES * itemsize * self.tokens * self.hidden + rows + params
 
 
-GPU_GRID = [
-    Shape(8192, 768),
-    Shape(16384, 1024),
-    Shape(32768, 2048),
-    Shape(4096, 4096),
-    Shape(65536, 1024),
-    Shape(4096, 512),
-    Shape(16384, 8192),
-]
+GPU_GRID = [Shape(*s) for s in ((8192, 768), (16384, 1024), (32768, 2048), (4096, 4096),
+                                 (65536, 1024), (4096, 512), (16384, 8192))]  # fmt: skip
 QUICK_GRID = [Shape(256, 64), Shape(512, 96)]
 
 
@@ -156,15 +154,9 @@ class BenchmarkConfig:
 
 FULL = BenchmarkConfig()
 QUICK = BenchmarkConfig(
-    shapes=list(QUICK_GRID),
-    graph_replays=3,
-    warmup=1,
-    warmup_time=0.0,
-    reps=3,
-    rounds=3,
-    min_time=0.0,
-    copy_bytes=2**24,
-)
+    shapes=list(QUICK_GRID), graph_replays=3, warmup=1, warmup_time=0.0, reps=3, rounds=3,
+    min_time=0.0, copy_bytes=2**24,
+)  # fmt: skip
 
 
 def parse_args():
@@ -236,19 +228,6 @@ def step_inputs(shape: Shape, dtype: torch.dtype, device: torch.device):
     return x, dy
 
 
-@contextlib.contextmanager
-def timed(regions: Regions | None, name: str, host: dict[str, list[float]]) -> Iterator[None]:
-    """Region ``name`` on the device's clock, and the host's own time of the code inside
-    appended to ``host[name]``; nothing when ``regions`` is None (an untimed step)."""
-    if regions is None:
-        yield
-        return
-    with regions[name].region():
-        start = time.perf_counter()
-        yield
-        host[name].append(time.perf_counter() - start)
-
-
 def layer_norm_variant(
     variant: str,
     shape: Shape,
@@ -268,9 +247,9 @@ def layer_norm_variant(
             for _ in range(steps):
                 ln.zero_grad(set_to_none=True)
                 x.grad = None
-                with timed(regions, "fwd", host):
+                with host_timed(regions, "fwd", host):
                     y = ln(x)
-                with timed(regions, "bwd", host):
+                with host_timed(regions, "bwd", host):
                     y.backward(dy)
                 del y
             ln.zero_grad(set_to_none=True)
@@ -283,42 +262,18 @@ def layer_norm_variant(
 
 def captured_step(variant: str, shape: Shape, dtype: torch.dtype, cfg: BenchmarkConfig,
                   device: torch.device) -> torch.cuda.CUDAGraph:  # fmt: skip
-    """``variant``'s forward+backward, warmed up on a side stream, captured in a CUDA graph
-    (the gradients are allocated by the capture and rewritten by every replay)."""
+    """``variant``'s forward+backward captured in a CUDA graph (the gradients are allocated by
+    the capture and rewritten by every replay)."""
     ln = build_layer_norm(variant, shape.hidden, cfg.eps, dtype, device)
     x, dy = step_inputs(shape, dtype, device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compiles the compiled variant, picks kernels
-            ln(x).backward(dy)
-    torch.cuda.current_stream(device).wait_stream(side)
-    ln.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ln(x).backward(dy)
+
+    def drop_grads() -> None:
+        ln.zero_grad(set_to_none=True)
+        x.grad = None
+
+    graph = capture_graph(lambda: ln(x).backward(dy), device, before_capture=drop_grads)
     graph.keep = (ln, x, dy)  # the graph reads and writes their memory
     return graph
-
-
-def graph_step_times(variants: list[str], shape: Shape, dtype: torch.dtype,
-                     cfg: BenchmarkConfig, device: torch.device) -> dict[str, list[float]]:  # fmt: skip
-    """Per variant, seconds per replayed step in each of ``cfg.rounds`` interleaved rounds."""
-    graphs = {v: captured_step(v, shape, dtype, cfg, device) for v in variants}
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for g in graphs.values():  # one untimed round
-        g.replay()
-    for _ in range(cfg.rounds):
-        for v, g in graphs.items():
-            start.record()
-            for _ in range(cfg.graph_replays):
-                g.replay()
-            end.record()
-            end.synchronize()
-            times[v].append(start.elapsed_time(end) / 1e3 / cfg.graph_replays)
-    return times
 
 
 def with_bandwidth(metrics: dict, shape: Shape, itemsize: int, copy_gb_per_s: float) -> dict:
@@ -348,20 +303,16 @@ def benchmark_shape(
     built = [layer_norm_variant(v, shape, dtype, cfg, device, host[v]) for v in variants]
     results = time_variants(built, cfg.harness(), device)
     kernels = [v for v in variants if v not in HOST_ONLY]
-    graph = graph_step_times(kernels, shape, dtype, cfg, device) if device.type == "cuda" else {}
+    graph = {}
+    if device.type == "cuda":
+        captured = {v: captured_step(v, shape, dtype, cfg, device) for v in kernels}
+        graph = graph_replay_times(captured, cfg.rounds, cfg.graph_replays)
     itemsize = torch.empty((), dtype=dtype).element_size()
     on_triton = uses_triton(torch.empty(1, device=device, dtype=dtype), shape.hidden)
     function_path = "triton" if on_triton else "pytorch"
     fused_path = "triton-cpp" if on_triton and cpp_op() is not None else function_path
-    config = {
-        "tokens": shape.tokens,
-        "hidden": shape.hidden,
-        "dtype": dtype_name,
-        "eps": cfg.eps,
-        **cfg.harness().record(),
-        "device": str(device),
-        "quick": quick,
-    }
+    config = {"tokens": shape.tokens, "hidden": shape.hidden, "dtype": dtype_name, "eps": cfg.eps,
+              **cfg.harness().record(), "device": str(device), "quick": quick}  # fmt: skip
     res = {}
     for variant in variants:
         metrics = results[variant].metrics()

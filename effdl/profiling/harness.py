@@ -32,16 +32,21 @@ Usage::
 A step function runs ``steps`` steps back to back (no synchronize) and leaves its variant holding
 only what it held after ``build`` (drop gradients), so an idle variant holds only its base. It gets
 ``regions`` only in timed chunks: named :class:`RegionTimer` s for parts of each step, reported as
-``<name>_s_*``. A step's time is its chunk's time over its steps, i.e. throughput.
+``<name>_s_*``. A step's time is its chunk's time over its steps, i.e. throughput;
+:func:`host_timed` adds the host's own time of a region's code beside its device time.
+
+On CUDA, :func:`capture_graph` and :func:`graph_replay_times` time a step's kernels alone:
+captured once in a CUDA graph, replayed in interleaved rounds (no host cost in the numbers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -289,3 +294,60 @@ def time_variants(
     alive.clear()
     fresh_state(device)
     return results
+
+
+@contextlib.contextmanager
+def host_timed(regions: Regions | None, name: str, host: dict[str, list[float]]) -> Iterator[None]:
+    """Region ``name`` on the device's clock, and the host's own time of the code inside
+    (``perf_counter``) appended to ``host[name]``; nothing when ``regions`` is None (an untimed
+    step)."""
+    if regions is None:
+        yield
+        return
+    with regions[name].region():
+        start = time.perf_counter()
+        yield
+        host[name].append(time.perf_counter() - start)
+
+
+def capture_graph(
+    step: Callable[[], None],
+    device: torch.device,
+    warmup: int = 3,
+    before_capture: Callable[[], None] | None = None,
+) -> torch.cuda.CUDAGraph:
+    """``step`` warmed up ``warmup`` times on a side stream (compiles what compiles, picks
+    kernels), then, after ``before_capture`` (e.g. dropping gradients, so the capture allocates
+    them), captured in a CUDA graph. The caller keeps alive what the graph reads and writes."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def graph_replay_times(
+    graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, replays: int
+) -> dict[str, list[float]]:
+    """Per name, seconds per replay in each of ``rounds`` interleaved rounds of ``replays``
+    back-to-back replays between two CUDA events, after one untimed round."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for g in graphs.values():
+        g.replay()
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            start.record()
+            for _ in range(replays):
+                g.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / 1e3 / replays)
+    return times

@@ -9,6 +9,9 @@ from effdl.profiling.harness import (
     HarnessConfig,
     Regions,
     Variant,
+    capture_graph,
+    graph_replay_times,
+    host_timed,
     settle,
     time_variants,
 )
@@ -236,3 +239,28 @@ def test_a_gpu_bound_variant_leaves_no_queued_work_in_the_next_ones_chunk():
     res = time_variants([Variant("gpu", gpu_bound), Variant("host", host_bound)], cfg, device)
     assert min(res["host"].step) >= 0.002
     assert min(res["gpu"].step) >= 0.01
+
+
+def test_host_timed_books_device_and_host_time_only_in_timed_steps(monkeypatch):
+    """On a fake clock: the region's code is timed on both clocks when regions are given, and
+    an untimed step (regions None) records nothing."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
+    regions, host = Regions(torch.device("cpu")), {"fwd": []}
+    with host_timed(regions, "fwd", host):
+        clock["now"] += 0.5
+    with host_timed(None, "fwd", host):
+        clock["now"] += 1.0
+    assert host == {"fwd": [0.5]}
+    assert regions.times() == {"fwd": [0.5]}
+
+
+@pytest.mark.gpu
+def test_a_captured_graph_replays_its_step_and_is_timed_per_replay():
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.zeros(1024, device=device)
+    graph = capture_graph(lambda: x.add_(1), device, warmup=2, before_capture=x.zero_)
+    assert x.sum().item() == 0  # captured, not run
+    times = graph_replay_times({"add": graph}, rounds=3, replays=4)
+    assert len(times["add"]) == 3 and all(t > 0 for t in times["add"])
+    assert x[0].item() == 4 * 3 + 4  # one untimed round, then three rounds of four replays
