@@ -5,13 +5,11 @@ import time
 import pytest
 import torch
 
+from effdl.profiling import harness
 from effdl.profiling.harness import (
     HarnessConfig,
     Regions,
     Variant,
-    capture_graph,
-    graph_replay_times,
-    host_timed,
     settle,
     time_variants,
 )
@@ -247,9 +245,9 @@ def test_host_timed_books_device_and_host_time_only_in_timed_steps(monkeypatch):
     clock = {"now": 0.0}
     monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
     regions, host = Regions(torch.device("cpu")), {"fwd": []}
-    with host_timed(regions, "fwd", host):
+    with harness.host_timed(regions, "fwd", host):
         clock["now"] += 0.5
-    with host_timed(None, "fwd", host):
+    with harness.host_timed(None, "fwd", host):
         clock["now"] += 1.0
     assert host == {"fwd": [0.5]}
     assert regions.times() == {"fwd": [0.5]}
@@ -259,8 +257,8 @@ def test_host_timed_books_device_and_host_time_only_in_timed_steps(monkeypatch):
 def test_a_captured_graph_replays_its_step_and_is_timed_per_replay():
     device = torch.device("cuda", torch.cuda.current_device())
     x = torch.zeros(1024, device=device)
-    graph = capture_graph(lambda: x.add_(1), device, warmup=2, before_capture=x.zero_)
+    graph = harness.capture_graph(lambda: x.add_(1), device, warmup=2, before_capture=x.zero_)
     assert x.sum().item() == 0  # captured, not run
-    times = graph_replay_times({"add": graph}, rounds=3, replays=4)
+    times = harness.graph_replay_times({"add": graph}, rounds=3, replays=4)
     assert len(times["add"]) == 3 and all(t > 0 for t in times["add"])
     assert x[0].item() == 4 * 3 + 4  # one untimed round, then three rounds of four replays
