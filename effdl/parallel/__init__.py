@@ -2,6 +2,7 @@
 data parallelism (:mod:`effdl.parallel.data_parallel`), pipeline parallelism
 (:mod:`effdl.parallel.pipeline`) and tensor parallelism (:mod:`effdl.parallel.tensor`)."""
 
+from effdl.parallel.activation_checkpoint import apply_activation_checkpointing
 from effdl.parallel.data_parallel import PARALLEL_MODES, gradient_sync, wrap_model
 from effdl.parallel.launch import (
     CpuShare,
@@ -50,6 +51,7 @@ __all__ = [
     "RankFailedError",
     "RowParallelLinear",
     "accumulated_backward",
+    "apply_activation_checkpointing",
     "available_cores",
     "bubble_fraction",
     "copy_to_parallel",
