@@ -14,31 +14,35 @@ What it measures, and its limits:
   after it, so it holds every kernel the module launched and, where the GPU waits for the host
   (a host-bound model, a data loader), that wait as well. Spans are inclusive: a parent's span
   holds its children's.
-- A backward span starts when the gradient of the module's output is complete (a hook on each
-  output tensor, run before the autograd node that made it; a parent returning its child's
-  output shares the child's stamp) and ends when the gradients of all its positional tensor
-  inputs that require grad are (each such input reaches the module as an alias of itself,
-  ``a[...]``, whose hook runs once this module's use of it has its gradient; the values are the
-  same). Where no such input gets its gradient (the first layer, the model itself under input
-  images, an input used only without grad), the span is closed at the end of the backward pass
-  instead, an upper bound that holds the module's weight gradients.
+- A backward span starts when the gradient of the module's output is complete (a pre hook on
+  the autograd node that made each output tensor; a parent returning its child's output shares
+  the child's stamp) and ends when the gradients of all its positional tensor inputs that
+  require grad are (each such input reaches the module as an alias of itself, ``a[...]``, whose
+  node's pre hook runs once this module's use of it has its gradient; the values are the same).
+  Where no such input gets its gradient (the first layer, the model itself under input
+  images, an input used only without grad), the span ends with the backward pass, an upper
+  bound that holds the module's weight gradients: at the stamp taken once every parameter of
+  the model that takes part in the pass has its gradient (a multi-grad hook on the
+  parameters, ``torch.autograd.graph.register_multi_grad_hook``), or at a later stamp of the
+  same pass. Such spans are closed when the next backward pass, forward or step begins, or
+  when the profile ends.
 - Modules run under ``no_grad``/``inference_mode``, or whose outputs are not tensors or plain
   tuples of tensors, get no backward span; only positional inputs count.
 - In-place changes of a module's output after it returns (``out += identity``, an in-place
   ReLU on it) are allowed: the span starts when the gradient of the value the module returned
-  is complete. A module that changes its input in place (``nn.ReLU(inplace=True)``) works too,
-  but its backward span ends at the end of the backward pass (its input view is replaced).
+  is complete. A module that changes its input in place (``nn.ReLU(inplace=True)``) works too:
+  its input alias leaves the graph, and its span ends once the node that took the alias's place
+  in the graph (the input's ``CopySlices``) has run.
 - Activation checkpointing re-runs forwards during backward: those count as more forward calls.
 - One device; each stamp goes on the stream current where the hook runs (the autograd engine's
   in backward). Spans nest as torch's engine orders a single device's backward (later modules
   first); nothing here enforces it.
 - The hooks are registered only for steps the schedule records or warms up with, and cost host
-  time while they are. Per module call: two forward hooks, one extra autograd node (the input's
-  alias) per input with grad, two tensor hooks (set in the tensors' hook dicts, without the
-  handles ``register_hook`` builds) and about four stamps: some 15 microseconds of host time
-  per call with the host clock on a fast CPU, several times that on a GPU machine's host with
-  CUDA events, as much as a small module's own forward and backward
-  (``task3_vit_profiling/probes/layer_profiler_host_cost.py`` measures it). Negligible while
+  time while they are (all through torch's public hook APIs, each of which builds a removable
+  handle). Per module call: two forward hooks, one extra autograd node (the input's alias) per
+  input with grad, two node pre hooks and about four stamps; per backward pass, one hook call
+  per parameter. That can be as much as a small module's own forward and backward
+  (``task3_vit_profiling/probes/layer_profiler_host_cost.py`` measures it): negligible while
   the GPU is the bottleneck; where the host is, hook the blocks only (``max_depth``), or
   spread the modules over steps (``sample_every``). Stamps are kept until the profile is
   dropped, so bound long runs with a :class:`Schedule` that has a ``repeat``.
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -65,9 +69,9 @@ FORWARD = "forward"
 BACKWARD = "backward"
 STEP = "step"
 _TRACKS = {STEP: 0, FORWARD: 1, BACKWARD: 2}
-# A backward call in flight: [module index, start stamp or None, inputs left, inputs with grad].
-_MODULE, _START, _LEFT, _INPUTS = range(4)
-_HOOK_KEY = "effdl.layer_profiler"  # never one of torch's integer hook ids
+# A backward call in flight: [module index, start stamp or None, inputs left, inputs with grad,
+# the number of the outermost forward it ran in].
+_MODULE, _START, _LEFT, _INPUTS, _FORWARD = range(5)
 
 
 class Phase(Enum):
@@ -195,38 +199,14 @@ def _label(path: str, module: nn.Module) -> str:
     return cls if next(module.children(), None) is None else f"{path}: {cls}"
 
 
-class _GradHook(partial):
-    """``hook(grad)``: a partial that ``torch.save`` does not warn of on a tensor it saves."""
-
-    __slots__ = ()
-    __torch_unserializable__ = True
-
-
-def _on_grad(t: torch.Tensor, node: Any, hook: _GradHook) -> None:
-    """Call ``hook`` when the gradient of ``t`` is complete (before ``t``'s autograd node runs).
-
-    What ``Tensor.register_hook`` does, less the removable handle it builds (these hooks go with
-    the graph): a hook dict on the tensor, handed to its node ``t.grad_fn``; under half the host
-    time of ``Node.register_prehook``, which builds a handle too. A tensor with hooks already,
-    or a subclass that may handle hooks itself, gets a node pre hook (the same moment; its
-    argument is the node's gradients).
-    """
-    if t._backward_hooks is None and type(t) is torch.Tensor:
-        hooks = t._backward_hooks = OrderedDict()  # register_hook adds to it, by weakref
-        hooks[_HOOK_KEY] = hook
-        node._register_hook_dict(t)
-    else:
-        node.register_prehook(hook)
-
-
-def _grad_outputs(output: object) -> list[tuple[torch.Tensor, Any]]:
-    """The tensors of a module's output (a tensor or a plain tuple) that autograd made, each
-    with its node."""
+def _grad_output_nodes(output: object) -> list[Any]:
+    """The autograd nodes that made the tensors of a module's output (a tensor or a plain
+    tuple)."""
     if isinstance(output, torch.Tensor):
         output = (output,)
     elif type(output) is not tuple:
         return []
-    return [(t, t.grad_fn) for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    return [t.grad_fn for t in output if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
 
 class Profile:
@@ -294,12 +274,17 @@ class Profile:
         self._step_start: Any = None
         # Per module, its forward calls in flight: (start stamp, backward call, input views and their versions).
         self._calls: list[list[tuple[Any, list | None, list | None]]] = [[] for _ in self._modules]
-        self._bwd_open: list[list] = []  # backward calls started in this backward pass
+        self._bwd_open: list[list] = []  # backward calls started and maybe still open
         # Output nodes of the forward in flight, each with the calls whose backward it starts:
         # a parent returning its child's output shares the child's hook and stamp.
         self._starts: dict[Any, list[list]] = {}
         self._depth = 0  # hooked module calls in flight
-        self._bwd_callback = False  # the end-of-backward callback is queued
+        # The multi-grad hook on the model's parameters that marks the end of a backward pass,
+        # the last stamp taken in backward, and whether a pass ended since the last start.
+        self._pass_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._last_bwd: Any = None
+        self._pass_done = False
+        self._forward = 0  # outermost hooked forward calls so far
         self._pending: list[tuple[int, str, int, Any, Any]] = []
         self._spans: list[tuple[int, str, int, Any, Any]] = []
         self._steps: list[tuple[int, Any, Any]] = []
@@ -317,11 +302,12 @@ class Profile:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._phase is Phase.RECORD and self._pending:
+        if self._phase is Phase.RECORD and (self._pending or self._bwd_open):
             self._finish_step(self._clock.mark())  # a block without a final step()
         self._active = False
         self._phase = Phase.NONE
         self._remove_hooks()
+        self._hook_passes(False)
 
     def step(self) -> None:
         """End the current step (kept if it is a RECORD step) and start the next."""
@@ -354,6 +340,21 @@ class Profile:
             handle.remove()
         self._handles.clear()
 
+    def _hook_passes(self, on: bool) -> None:
+        """Hook (or unhook) the end of each backward pass: the moment every parameter of the
+        model that takes part in it has its gradient."""
+        if on and self._pass_hook is None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if params:
+                # The hook finds each parameter's gradient accumulator through autograd.
+                with torch.inference_mode(False), torch.enable_grad():
+                    self._pass_hook = torch.autograd.graph.register_multi_grad_hook(
+                        params, self._end_backward_pass
+                    )
+        elif not on and self._pass_hook is not None:
+            self._pass_hook.remove()
+            self._pass_hook = None
+
     # -- steps ---------------------------------------------------------------------------------
 
     def _begin_step(self, now: Any) -> None:
@@ -361,14 +362,17 @@ class Profile:
         if self._phase is Phase.NONE:
             self._step_start = None
             self._remove_hooks()  # the model runs bare between recorded cycles
+            self._hook_passes(False)
         else:
             self._step_start = now if now is not None else self._clock.mark()
             if self.sample_every > 1:
                 self._remove_hooks()  # this step's share of the modules
             if not self._handles:
                 self._register_hooks()
+            self._hook_passes(True)
 
     def _finish_step(self, now: Any) -> None:
+        self._close_open()
         if self._phase is Phase.RECORD:
             self._spans += self._pending
             self._steps.append((self._step, self._step_start, now))
@@ -381,9 +385,9 @@ class Profile:
         self._pending.clear()
         for i in self._hooked:
             self._calls[i].clear()
-        self._bwd_open.clear()
         self._starts.clear()
         self._depth = 0
+        self._last_bwd = None
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -395,19 +399,24 @@ class Profile:
         tensor = torch.Tensor
 
         def pre_hook(_module: nn.Module, args: tuple) -> tuple | None:
+            if not self._depth:
+                self._forward += 1
+                if self._pass_done:
+                    self._close_open()  # a new forward: the last pass's open spans are done
             self._depth += 1
             if not is_grad_enabled():
                 push((mark(), None, None))
                 return None
-            call = [i, None, 0, 0]
+            call = [i, None, 0, 0, self._forward]
             new_args = list(args)
             views = []
             for k, a in enumerate(args):
                 if isinstance(a, tensor) and a.requires_grad:
                     # A node of this call's own: its gradient is this module's use of ``a``.
                     view = new_args[k] = a[...]
-                    _on_grad(view, view.grad_fn, _GradHook(bwd_end, call))
-                    views.append((view, view._version))
+                    node = view.grad_fn
+                    node.register_prehook(partial(bwd_end, call))
+                    views.append((view, node))
             call[_LEFT] = call[_INPUTS] = len(views)
             push((mark(), call, views or None))
             return tuple(new_args) if views else None
@@ -431,11 +440,13 @@ class Profile:
             pending((i, FORWARD, self._step, start, end))
             if call is not None:
                 if views:
-                    for v, version in views:
-                        if v._version != version:
-                            # Changed in place: the view's node left the graph; the module's
-                            # backward is its input's new node (CopySlices), done when it has run.
-                            v._base.grad_fn.register_hook(partial(bwd_end_after, call))
+                    for v, node in views:
+                        if v.grad_fn is not node:
+                            # Changed in place: the view's node left the graph. Its new node
+                            # leads to its base's (CopySlices), which holds the module's
+                            # backward: the input's gradient is complete when that has run.
+                            base_node = v.grad_fn.next_functions[0][0]
+                            base_node.register_hook(partial(bwd_end_after, call))
                         # An identity's output needs a node of its own, after its input's.
                         if v is output:
                             output = output[...]
@@ -443,14 +454,14 @@ class Profile:
                             output = tuple(t[...] if t is v else t for t in output)
                 if type(output) is tensor:  # most calls: the loop below, less its tuples
                     node = output.grad_fn
-                    outputs = ((output, node),) if node is not None else ()
+                    nodes = (node,) if node is not None else ()
                 else:
-                    outputs = _grad_outputs(output)
-                for t, node in outputs:
+                    nodes = _grad_output_nodes(output)
+                for node in nodes:
                     starting = starts.get(node)
                     if starting is None:
                         starts[node] = starting = [call]
-                        _on_grad(t, node, _GradHook(bwd_start, starting))
+                        node.register_prehook(partial(bwd_start, starting))
                     else:
                         starting.append(call)  # a child's output: start with the child
             self._depth -= 1
@@ -464,16 +475,23 @@ class Profile:
         """An output's gradient is complete: the backward of the modules that returned it starts."""
         if self._phase is Phase.NONE:
             return
+        if self._pass_done:
+            self._pass_done = False
+            # After a pass, a start belongs to a new one if it re-runs a call still open (a
+            # retained graph) or comes from another forward than the open calls; otherwise the
+            # pass that ended was nested in this one (a reentrant checkpoint's).
+            forwards = {call[_FORWARD] for call in self._bwd_open if call[_START] is not None}
+            if starting[0][_FORWARD] not in forwards or any(
+                call[_START] is not None for call in starting
+            ):
+                self._close_open()
         now = None
         for call in starting:
             if call[_START] is None:
                 if now is None:
-                    now = self._clock.mark()
+                    now = self._last_bwd = self._clock.mark()
                 call[_START] = now
                 self._bwd_open.append(call)
-        if not self._bwd_callback:
-            self._bwd_callback = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_pass)
 
     def _bwd_end(self, call: list, _grad: object) -> None:
         """The gradient of one of the call's inputs is complete; the last one ends the span."""
@@ -481,30 +499,38 @@ class Profile:
             return
         call[_LEFT] -= 1
         if call[_LEFT] == 0:
-            self._pending.append(
-                (call[_MODULE], BACKWARD, self._step, call[_START], self._clock.mark())
-            )
+            end = self._last_bwd = self._clock.mark()
+            self._pending.append((call[_MODULE], BACKWARD, self._step, call[_START], end))
             call[_START] = None
             call[_LEFT] = call[_INPUTS]  # ready for another backward through the same graph
 
     def _bwd_end_after(self, call: list, _grad_inputs: tuple, grad_outputs: tuple) -> None:
         self._bwd_end(call, grad_outputs)
 
-    def _end_backward_pass(self) -> None:
-        """Close the spans whose inputs got no gradient, at the end of the backward pass."""
-        self._bwd_callback = False
+    def _end_backward_pass(self, _grads: object) -> None:
+        """Every parameter that takes part in a backward pass has its gradient: the pass is over
+        (or a nested one), and so are the backward calls without inputs that take gradients.
+        Their spans end here, closed at the next backward start of another pass, forward or
+        step."""
         if self._phase is Phase.NONE:
             self._bwd_open.clear()
             return
-        end = None
+        if any(call[_START] is not None for call in self._bwd_open):
+            self._last_bwd = self._clock.mark()
+            self._pass_done = True
+
+    def _close_open(self) -> None:
+        """Close the spans still open at the last stamp of the backward pass that ended."""
         for call in self._bwd_open:
             if call[_START] is not None:
-                if end is None:
-                    end = self._clock.mark()
-                self._pending.append((call[_MODULE], BACKWARD, self._step, call[_START], end))
-                call[_START] = None
-                call[_LEFT] = call[_INPUTS]
+                self._close(call, self._last_bwd)
         self._bwd_open.clear()
+        self._pass_done = False
+
+    def _close(self, call: list, end: Any) -> None:
+        self._pending.append((call[_MODULE], BACKWARD, self._step, call[_START], end))
+        call[_START] = None
+        call[_LEFT] = call[_INPUTS]
 
     # -- results -------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ and the profiler's own overhead."""
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import json
 import statistics
@@ -211,6 +212,9 @@ def test_hooks_are_removed_and_results_unchanged(net: Net, x: torch.Tensor) -> N
     for p, q in zip(net.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
     assert list(net.head._forward_hooks) == [user_hook.id]  # the user's hook stays
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch.save warns of a tensor hook left on a parameter
+        torch.save(list(net.parameters()), io.BytesIO())
     user_hook.remove()
     for m in net.modules():
         hooks = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
@@ -401,6 +405,156 @@ def test_a_second_backward_through_the_graph_gets_its_own_spans(net: Net, x: tor
     rows = {r["path"]: r for r in prof.records()}
     assert (rows["head"]["calls"], rows["head"]["bwd_calls"]) == (1, 2)
     assert (rows["shared"]["calls"], rows["shared"]["bwd_calls"]) == (2, 4)
+    # The model and its first layer get no input gradient: each pass still closes their spans.
+    assert (rows["model"]["calls"], rows["model"]["bwd_calls"]) == (1, 2)
+    assert (rows["embed"]["calls"], rows["embed"]["bwd_calls"]) == (1, 2)
+    bwd = sorted((s for s in prof.spans() if s.path == "model" and s.kind == "backward"),
+                 key=lambda s: s.start_ns)  # fmt: skip
+    assert bwd[0].end_ns <= bwd[1].start_ns
+
+
+def backward_spans(prof: Profile, path: str) -> list[Span]:
+    return sorted(
+        (s for s in prof.spans() if s.path == path and s.kind == "backward"),
+        key=lambda s: s.start_ns,
+    )
+
+
+def forward_spans(prof: Profile, path: str) -> list[Span]:
+    return sorted(
+        (s for s in prof.spans() if s.path == path and s.kind == "forward"),
+        key=lambda s: s.start_ns,
+    )
+
+
+def test_each_accumulated_micro_batch_closes_its_spans_before_the_next_forward(
+    net: Net, x: torch.Tensor
+) -> None:
+    """Spans of calls whose inputs get no gradient (the model, its first layer) end with their
+    own backward pass: before the next micro-batch's forward, nested as usual."""
+    with Profile(net) as prof:
+        for _ in range(2):
+            for _ in range(3):
+                net(x).square().mean().backward()
+            prof.step()
+    rows = {r["path"]: r for r in prof.records()}
+    assert all(r["calls"] == r["bwd_calls"] for r in rows.values()), rows
+    fwd, bwd = forward_spans(prof, "model"), backward_spans(prof, "model")
+    assert len(fwd) == len(bwd) == 6
+    for k in range(5):
+        assert fwd[k].end_ns <= bwd[k].start_ns <= bwd[k].end_ns <= fwd[k + 1].start_ns, k
+    embed = backward_spans(prof, "embed")
+    assert all(
+        b.start_ns <= e.start_ns <= e.end_ns <= b.end_ns for b, e in zip(bwd, embed, strict=True)
+    )
+    for step in (0, 1):
+        assert_nested([s for s in prof.spans() if s.kind == "backward" and s.step == step])
+
+
+def test_backward_passes_of_two_forwards_close_their_own_spans(net: Net, x: torch.Tensor) -> None:
+    """Two forwards, then the two backwards: the first pass's spans end before the second's
+    begin."""
+    with Profile(net) as prof:
+        first, second = net(x).square().mean(), net(2 * x).square().mean()
+        first.backward()
+        second.backward()
+        prof.step()
+    bwd = backward_spans(prof, "model")
+    assert len(bwd) == 2 and bwd[0].end_ns <= bwd[1].start_ns
+    heads = backward_spans(prof, "head")
+    assert bwd[0].start_ns <= heads[0].start_ns and heads[1].end_ns <= bwd[1].end_ns
+
+
+class IgnoresInputGradient(nn.Module):
+    """Uses its input (which requires grad) only without grad: no gradient reaches it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.detach())
+
+
+def test_a_call_whose_input_gets_no_gradient_holds_its_weight_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), IgnoresInputGradient(4), nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    with Profile(model) as prof:
+        train_steps(model, prof, 2, x)
+        model(x).sum().backward()
+    rows = {r["path"]: r for r in prof.records()}
+    assert rows.pop("0")["bwd_calls"] == 0  # its output gets no gradient either
+    assert all(r["calls"] == r["bwd_calls"] == 3 for r in rows.values()), rows
+    for step in range(3):
+        spans = [s for s in prof.spans() if s.kind == "backward" and s.step == step]
+        assert_nested(spans)
+        bwd = {s.path: s for s in spans}
+        assert bwd["1"].start_ns <= bwd["1.linear"].start_ns <= bwd["1.linear"].end_ns
+        assert bwd["1.linear"].end_ns <= bwd["1"].end_ns <= bwd["model"].end_ns
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, module: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.module, self.reentrant = module, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.module, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_blocks_keep_every_span_nested(reentrant: bool) -> None:
+    """Recomputed forwards (and the reentrant variant's nested backward passes) inside the
+    backward end no span early."""
+    torch.manual_seed(0)
+
+    def block() -> nn.Module:
+        return Checkpointed(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)), reentrant)
+
+    model = nn.Sequential(nn.Linear(4, 4), block(), block(), nn.Linear(4, 4))
+    with Profile(model) as prof:
+        train_steps(model, prof, 2, torch.randn(2, 4))
+    rows = {r["path"]: r for r in prof.records()}
+    assert (rows["model"]["calls"], rows["model"]["bwd_calls"]) == (2, 2)
+    assert (rows["1.module"]["calls"], rows["1.module"]["bwd_calls"]) == (4, 2)
+    for step in (0, 1):
+        spans = [s for s in prof.spans() if s.kind == "backward" and s.step == step]
+        assert_nested(spans)
+        bwd = {s.path: s for s in spans}
+        assert max(s.end_ns for s in spans) == bwd["model"].end_ns == bwd["0"].end_ns
+
+
+class InPlaceOnAView(nn.Module):
+    """An in-place child called on a slice of a tensor: the child's input is a view."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.relu = nn.Linear(d, 2 * d), nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        d = x.shape[1]
+        return self.relu(h[:, :d]) + h[:, d:]
+
+
+def test_an_in_place_module_on_a_view_ends_after_its_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), InPlaceOnAView(4), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4, requires_grad=True)
+    with Profile(model) as prof:
+        model(x).sum().backward()
+        prof.step()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    rows = {r["path"]: r for r in prof.records()}
+    assert all(r["calls"] == r["bwd_calls"] == 1 for r in rows.values()), rows
+    spans = [s for s in prof.spans() if s.kind == "backward"]
+    assert_nested(spans)
+    bwd = {s.path: s for s in spans}
+    assert bwd["1.relu"].end_ns <= bwd["1.fc"].start_ns  # the ReLU's backward comes first
 
 
 class HooksItsOutput(nn.Module):
