@@ -1,0 +1,61 @@
+"""effdl reaches into torch only through its public API: no private attribute of a tensor, an
+autograd node or the autograd engine, and no private torch module, in the package's source."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "effdl"
+# Kernel launchers whose way of launching is still being measured.
+EXEMPT = {"ops/triton_launch.py", "ops/cpp_extension.py"}
+PRIVATE_TORCH_NAMES = (
+    "_backward_hooks",
+    "_register_hook_dict",
+    "_version",
+    "_base",
+    "_execution_engine",
+    "_python_dispatch",
+    "_current_graph_task_id",
+    "_will_engine_execute_node",
+    "_is_view",
+)
+PRIVATE_ACCESS = re.compile(r"\.(" + "|".join(PRIVATE_TORCH_NAMES) + r")\b")
+# Any ``x._name`` but on the object itself or on a class's own name.
+FOREIGN_PRIVATE_ACCESS = re.compile(r"(?<!\bself)(?<!\bcls)\._[a-z]\w*")
+STRICT = ("profiling/layer_profiler.py", "profiling/flops.py", "tables.py")
+
+
+def sources() -> list[Path]:
+    return sorted(
+        p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).as_posix() not in EXEMPT
+    )
+
+
+def hits(pattern: re.Pattern[str], path: Path) -> list[str]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+            for n, line in enumerate(lines, 1) if pattern.search(line)]  # fmt: skip
+
+
+def test_the_pattern_catches_what_it_must() -> None:
+    for line in ("t._backward_hooks = {}", "node._register_hook_dict(t)", "v._version",
+                 "v._base.grad_fn", "torch.autograd.Variable._execution_engine.queue_callback(f)",
+                 "from torch.utils._python_dispatch import TorchDispatchMode"):  # fmt: skip
+        assert PRIVATE_ACCESS.search(line), line
+    assert not PRIVATE_ACCESS.search("self._versions = 1; t.base_node; t.version")
+    assert FOREIGN_PRIVATE_ACCESS.search("x = t._foo")
+    assert not FOREIGN_PRIVATE_ACCESS.search("self._foo = cls._bar")
+
+
+def test_no_private_torch_attribute_or_module_is_used() -> None:
+    found = [hit for path in sources() for hit in hits(PRIVATE_ACCESS, path)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("name", STRICT)
+def test_profiling_modules_touch_no_private_attribute_of_another_object(name: str) -> None:
+    found = hits(FOREIGN_PRIVATE_ACCESS, PACKAGE / name)
+    assert not found, "\n".join(found)
