@@ -1,6 +1,11 @@
 """Parallel training on ``torch.distributed``: process launch (:mod:`effdl.parallel.launch`),
 data parallelism (:mod:`effdl.parallel.data_parallel`), pipeline parallelism
-(:mod:`effdl.parallel.pipeline`) and tensor parallelism (:mod:`effdl.parallel.tensor`)."""
+(:mod:`effdl.parallel.pipeline`) and tensor parallelism (:mod:`effdl.parallel.tensor`).
+
+The experiments on them: :mod:`effdl.parallel.classifiers` (the small models they train and
+their shared batch order), :mod:`effdl.parallel.pipeline_training` and
+:mod:`effdl.parallel.pipeline_measure` (a pipeline run's ranks and its bubble), and
+:mod:`effdl.parallel.dtensor_comparison` (the tensor-parallel MLP against DTensor's)."""
 
 from effdl.parallel.activation_checkpoint import apply_activation_checkpointing
 from effdl.parallel.data_parallel import PARALLEL_MODES, gradient_sync, wrap_model
