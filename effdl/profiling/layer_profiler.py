@@ -98,6 +98,9 @@ class Schedule:
     skip_first: int = 0
 
     def __post_init__(self) -> None:
+        counts = (self.wait, self.warmup, self.active, self.repeat, self.skip_first)
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in counts):
+            raise ValueError(f"Schedule needs whole numbers of steps; got {self}")
         if min(self.wait, self.warmup, self.repeat, self.skip_first) < 0 or self.active < 1:
             raise ValueError(
                 f"Schedule needs wait, warmup, repeat, skip_first >= 0 and active >= 1; got {self}"

@@ -126,6 +126,14 @@ def test_schedule_rejects_what_torch_rejects(args: tuple[int, ...]) -> None:
         Schedule(*args)
 
 
+@pytest.mark.parametrize(
+    "args", [(0, 0, 1.5), (0, 0, float("nan")), (0, float("inf"), 1), (True, 0, 1)]
+)
+def test_schedule_rejects_counts_that_are_not_whole_numbers(args: tuple) -> None:
+    with pytest.raises(ValueError, match="whole numbers of steps"):
+        Schedule(*args)
+
+
 def test_schedule_rejects_a_negative_step() -> None:
     with pytest.raises(ValueError, match="step must be >= 0"):
         Schedule(0, 0, 1).phase(-1)
