@@ -8,6 +8,7 @@ their shared batch order), :mod:`effdl.parallel.pipeline_training` and
 :mod:`effdl.parallel.dtensor_comparison` (the tensor-parallel MLP against DTensor's)."""
 
 from effdl.parallel.activation_checkpoint import apply_activation_checkpointing
+from effdl.parallel.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from effdl.parallel.data_parallel import PARALLEL_MODES, gradient_sync, wrap_model
 from effdl.parallel.launch import (
     CpuShare,
@@ -59,6 +60,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "available_cores",
     "bubble_fraction",
+    "checkpoint_info",
     "copy_to_parallel",
     "cpu_threads",
     "gather_from_parallel",
@@ -66,8 +68,10 @@ __all__ = [
     "gradient_sync",
     "init_from_env",
     "interleaved_schedule",
+    "load_checkpoint",
     "one_f_one_b_schedule",
     "reduce_from_parallel",
+    "save_checkpoint",
     "share_cpu",
     "spawn",
     "split_sequential",
