@@ -15,16 +15,24 @@ too: DCP reads each rank's part of FSDP2's sharded tensors (DTensors) or the who
 plain or DDP model from whatever shards were written.
 
 The train state is the caller's dict (step, data position, LR-schedule position, ...), stored as
-given: its values must be what ``torch.load(weights_only=True)`` reads back (numbers, strings,
-lists, tuples, dicts, tensors). Beside it, each rank's Python, NumPy, torch CPU and CUDA
+given; rank 0's is the one saved. Its values must be what ``torch.load(weights_only=True)`` reads
+back (Python numbers, strings, lists, tuples, dicts, tensors; a NumPy scalar is refused before
+anything is written). Beside it, each rank's Python, NumPy, torch CPU and CUDA
 generator states are kept (CUDA's only where the rank had initialised CUDA), and they are
 restored only when the checkpoint is loaded by as many ranks as saved it: rank r gets rank r's
 states. On another world size the data each rank draws differs anyway; the generators are then
 left as they are and a warning says so.
 
-Saving writes into a temporary folder beside ``folder`` and renames it to ``folder`` once the
-completion marker is in it, so an interrupted save never leaves a folder that passes as a
-checkpoint. Every rank must see the same file system (one host, or a shared one).
+Saving writes into ``.NAME.saving`` beside ``folder`` and renames it to ``folder`` once the
+completion marker is in it (an older checkpoint there is moved to ``.NAME.old`` and deleted after
+the rename), so an interrupted save never leaves a folder that passes as a checkpoint; a save that
+fails removes its temporary folder, and the next save clears what a killed one left. Every rank
+must see the same file system (one host, or a shared one).
+
+Order in a training script: build the model, :func:`effdl.parallel.apply_activation_checkpointing`,
+:func:`effdl.parallel.wrap_model`, the optimizer, then :func:`load_checkpoint` to resume (it loads
+into the wrapped model and the optimizer in place and restores the generators last, so draw
+nothing random between loading and training that the uninterrupted run would not draw).
 """
 
 from __future__ import annotations

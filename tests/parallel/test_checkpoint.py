@@ -1,6 +1,7 @@
 """Distributed checkpoints against the uninterrupted run: training 3 steps, saving, loading into a
 fresh model and optimizer and training 3 more gives the losses and final weights of 6 steps in
-one go, bit for bit, in one process, under DDP and under FSDP2 (gloo, 2 ranks). Each step's batch
+one go, bit for bit, in one process, under DDP and under FSDP2 (gloo, 2 ranks; once with op-level
+activation checkpointing under FSDP2, the order a training script uses). Each step's batch
 depends on the data position, the LR on the step, and the tokens on torch's, Python's and
 NumPy's generators, so every part of the train state has to come back. A checkpoint written by
 FSDP2 on 2 ranks loads into one plain process and back into FSDP2; failures are one line."""
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from effdl.models.llama import Transformer, TransformerModelArgs, build_on_meta, materialize
-from effdl.parallel import spawn, wrap_model
+from effdl.parallel import apply_activation_checkpointing, spawn, wrap_model
 from effdl.parallel.checkpoint import (
     MARKER,
     TRAIN_STATE,
@@ -55,9 +56,14 @@ def build(args: TransformerModelArgs = ARGS) -> Transformer:
     return materialize(model, "cpu", torch.float32)
 
 
-def fresh(parallel: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model (seeded, so the same on every rank), wrapped, and its AdamW."""
-    model = wrap_model(build(), parallel, False, False, torch.device("cpu"), world)
+def fresh(
+    parallel: str, world: int, recompute: str = "none"
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (seeded, so the same on every rank), its blocks recomputed as ``recompute``
+    says, wrapped, and its AdamW."""
+    model = build()
+    apply_activation_checkpointing(model, recompute)
+    model = wrap_model(model, parallel, False, False, torch.device("cpu"), world)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -101,28 +107,29 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
 
 
-def resume_run(rank: int, world: int, parallel: str, folder: str) -> dict:
+def resume_run(rank: int, world: int, parallel: str, folder: str, recompute: str = "none") -> dict:
     """The uninterrupted run, the run saved at step 3 and resumed, and a resumption whose
     generators are re-seeded instead of restored."""
     torch.set_num_threads(1)
-    model, optimizer = fresh(parallel, world)
+    model, optimizer = fresh(parallel, world, recompute)
     seed_generators(rank)
     whole = train(model, optimizer, {"step": 0, "data_position": 0}, STEPS)
     out = {"whole": whole, "whole_weights": full_weights(model)}
 
-    model, optimizer = fresh(parallel, world)
+    model, optimizer = fresh(parallel, world, recompute)
     seed_generators(rank)
     state = {"step": 0, "data_position": 0}
     first = train(model, optimizer, state, SAVE_AT)
     out["save_s"] = save_checkpoint(folder, model, optimizer, state)
 
-    model, optimizer = fresh(parallel, world)  # re-seeds torch's generator: build() does
+    # build() re-seeds torch's generator: only load_checkpoint brings the saved state back
+    model, optimizer = fresh(parallel, world, recompute)
     state, out["load_s"] = load_checkpoint(folder, model, optimizer)
     out["state"] = dict(state)
     out["resumed"] = first + train(model, optimizer, state, STEPS - SAVE_AT)
     out["resumed_weights"] = full_weights(model)
 
-    model, optimizer = fresh(parallel, world)
+    model, optimizer = fresh(parallel, world, recompute)
     state, _ = load_checkpoint(folder, model, optimizer)
     seed_generators(rank)
     out["reseeded"] = first + train(model, optimizer, state, STEPS - SAVE_AT)
@@ -143,10 +150,12 @@ def test_resume_equals_the_uninterrupted_run_in_one_process(tmp_path):
     check_resume(resume_run(0, 1, "none", str(tmp_path / "ckpt")))
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_resume_equals_the_uninterrupted_run_on_two_ranks(tmp_path, parallel):
+@pytest.mark.parametrize(
+    ("parallel", "recompute"), [("ddp", "none"), ("fsdp", "none"), ("fsdp", "op")]
+)
+def test_resume_equals_the_uninterrupted_run_on_two_ranks(tmp_path, parallel, recompute):
     folder = tmp_path / "ckpt"
-    got = spawn(resume_run, 2, parallel, str(folder))
+    got = spawn(resume_run, 2, parallel, str(folder), recompute)
     for rank_got in got:
         check_resume(rank_got)
     assert got[0]["whole"] != got[1]["whole"]  # each rank drew its own batches
