@@ -51,13 +51,14 @@ from effdl.lm.build import (
 )
 from effdl.lm.loss import accumulated_backward, evaluate, token_loss_sum
 from effdl.lm.processes import Dist, setup_distributed, teardown_distributed
+from effdl.lm.resume import flag_problem, resume_training, save_training
 from effdl.lm.throughput import PendingSteps, Rates, measured_bf16_ceiling, summarize
 from effdl.lm.tracing import add_profile_ranges, profiled
 from effdl.models.llama import PRESETS
 from effdl.optim import warmup_cosine_lr
-from effdl.parallel import wrap_model
+from effdl.parallel import apply_activation_checkpointing, wrap_model
 from effdl.profiling.flops import llama_train_flops_per_token, peak_bf16_tflops
-from effdl.profiling.kernel_split import kernel_split, read_trace_events
+from effdl.profiling.kernel_split import kernel_split, kind_shares, read_trace_events
 from effdl.profiling.timing import RegionTimer, take_peak_memory
 from effdl.results import RunLog
 
@@ -96,6 +97,12 @@ class TrainConfig:
     cache: Path = DEFAULT_CACHE
     parallel: str = "none"
     ddp_bucket_mb: float = 200.0  # DDP all-reduce bucket (torch's default is 25 MB)
+    activation_checkpoint: str = "none"  # none, full, selective:K, op (blocks recomputed)
+    save: Path | None = None  # a distributed checkpoint written when this run stops
+    resume: Path | None = None  # a checkpoint to continue from
+    stop_after: int = (
+        0  # end this run after this many steps (0: at --steps); the schedule spans --steps
+    )
     workers: int = 2
     log_every: int = 10
     eval_every: int = 0  # 0: no held-out loss
@@ -117,6 +124,10 @@ class TrainConfig:
         require_positive(self, "warmup_steps", "weight_decay", "grad_clip", "workers", minimum=0)
         require_positive(self, "eval_every", "timing_warmup", "lr", "min_lr", minimum=0)
         require_positive(self, "ddp_bucket_mb")
+        require_positive(self, "stop_after", minimum=0)
+        problem = flag_problem(self.activation_checkpoint, self.precision, self.save, self.resume)
+        if problem:
+            raise UsageError(problem)
         if self.min_lr > self.lr:
             raise UsageError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if self.precision == "fsdp-mp" and (self.parallel != "fsdp" or self.dtype != "bf16"):
@@ -157,23 +168,10 @@ class TrainConfig:
 
 FULL = TrainConfig()
 QUICK = TrainConfig(
-    model="tiny",
-    sequence_length=128,
-    batch_size=4,
-    steps=8,
-    warmup_steps=2,
-    lr=3e-3,
-    min_lr=3e-4,
-    dtype="fp32",
-    bpe_vocab=512,
-    corpus_bytes=1 << 20,
-    workers=0,
-    log_every=1,
-    eval_every=4,
-    eval_batches=2,
-    timing_warmup=2,
-    profile_steps=2,
-)
+    model="tiny", sequence_length=128, batch_size=4, steps=8, warmup_steps=2, lr=3e-3,
+    min_lr=3e-4, dtype="fp32", bpe_vocab=512, corpus_bytes=1 << 20, workers=0, log_every=1,
+    eval_every=4, eval_batches=2, timing_warmup=2, profile_steps=2,
+)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
@@ -218,6 +216,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("cache", type=Path, help="folder for the corpus parquets and the BPE")
     flags.add("parallel", choices=["none", "ddp", "fsdp"], help="under torchrun for N processes")
     flags.add("ddp_bucket_mb", type=float, help="MB of gradients per DDP all-reduce")
+    flags.add("activation_checkpoint", help="blocks recomputed: none, full, selective:K, op")
+    flags.add("save", type=Path, help="write a distributed checkpoint when the run stops")
+    flags.add("resume", type=Path, help="continue from a --save checkpoint")
+    flags.add("stop_after", type=int, help="stop after this many steps (0: --steps)")
     flags.add("workers", type=int, help="DataLoader worker processes")
     flags.add("log_every", type=int, help="steps between the host's reads of the GPU")
     flags.add("eval_every", type=int, help="steps between held-out losses; 0 = off")
@@ -276,6 +278,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.profile and not cfg.compile:
         add_profile_ranges(model)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
     model = wrap_model(
         model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world,
@@ -319,6 +322,11 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
             {"unigram_entropy_nats": entropy, "unigram_entropy_bits": entropy / math.log(2)},
         )
 
+    start, stop = 0, min(cfg.steps, cfg.stop_after or cfg.steps)
+    if cfg.resume is not None:
+        start, load_s = resume_training(cfg.resume, model, opt, micro_batches, cfg.grad_accumulation)  # fmt: skip
+        if log is not None:
+            log.log(f"{variant}_resume", config, {"step": start, "load_s": load_s})
     timer = RegionTimer(d.device)
     pending = PendingSteps(rates, timer, d)
     rows: list[dict] = []
@@ -327,7 +335,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
     with profiled(
         cfg.profile, cfg.timing_warmup, cfg.profile_steps, trace, d.device
     ) as profiler_step:
-        for step in range(cfg.steps):
+        for step in range(start, stop):
             lr = warmup_cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -357,28 +365,28 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
             }
             pending.add(host, loss_sum / n_labels, n_labels, grad_norm.detach().float())
             profiler_step()
-            if (step + 1) % cfg.log_every == 0 or step == cfg.steps - 1:
+            if (step + 1) % cfg.log_every == 0 or step == stop - 1:
                 for row in pending.flush():  # the host's one read of these steps' values
                     rows.append(row)
                     if log is not None:
                         log.log(variant, config, row)
-            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == stop - 1):
                 val = evaluate(model, held_out, compute, loss_fn, d)
                 if log is not None:
                     log.log(f"{variant}_eval", config, {"step": step, "val_loss": val})
                 if rows and rows[-1]["step"] == step:
                     rows[-1]["val_loss"] = val
 
+    if cfg.save is not None:
+        save_s = save_training(cfg.save, model, opt, stop)
+        if log is not None:
+            log.log(f"{variant}_checkpoint", config, {"step": stop, "save_s": save_s})
     summary = summarize(rows, cfg.timing_warmup)
     if log is not None and cuda and cfg.profile and trace.exists():
         split = kernel_split(read_trace_events(trace))
         log.log(f"{variant}_kernels", config, {"profile_steps": cfg.profile_steps, **split})
-        shares = [{"kind": k, "ms per step": v / cfg.profile_steps, "share of span": sh}
-                  for (k, v), sh in zip(split["by_kind_ms"].items(), split["by_kind_share"].values(),
-                                        strict=True)]  # fmt: skip
-        print_table(
-            shares, title=f"GPU time by kernel kind over {cfg.profile_steps} profiled steps"
-        )
+        shares = kind_shares(split, cfg.profile_steps)
+        print_table(shares, title=f"GPU time by kernel kind over {cfg.profile_steps} steps")
     if log is not None:
         log.log(f"{variant}_summary", config, summary)
         shown = [{k: r.get(k) for k in (*TABLE, "val_loss")} for r in rows]

@@ -101,6 +101,15 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def kind_shares(split: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+    """Rows of :func:`kernel_split`'s time by kind: milliseconds per step over ``steps``
+    profiled steps, and the share of the span."""
+    return [
+        {"kind": kind, "ms per step": ms / steps, "share of span": split["by_kind_share"][kind]}
+        for kind, ms in split["by_kind_ms"].items()
+    ]
+
+
 def step_breakdown(
     events: list[dict[str, Any]], n_steps: int, ranges: Sequence[str]
 ) -> dict[str, Any]:
