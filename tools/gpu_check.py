@@ -40,7 +40,7 @@ from effdl.results import RunLog, read_records
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
-TESTS = 'python3 -m pytest -m "gpu or multigpu" -q -x'  # multigpu ones skip on one GPU
+TESTS = 'python3 -m pytest -m "gpu or multigpu" -q --durations=30'  # multigpu ones skip on one GPU
 TESTS_LIMIT_S = 540  # DESIGN.md: 6 minutes of GPU tests on one H100; the multi-GPU ones beside
 KILL_GRACE_S = 10  # between SIGTERM and SIGKILL of a command's process group
 TAIL_LINES = 15  # of a failed command's output, printed
