@@ -1,7 +1,7 @@
 """Pausing Python's cyclic garbage collector over a region of code.
 
 A cyclic collection runs whenever enough container objects have been allocated, so in a loop
-of short, allocation-heavy steps it lands at a random step and costs that step milliseconds.
+of short, allocation-heavy steps it lands at a random step and stalls that step.
 Both the mixed-precision region (:class:`effdl.amp.autocast.Autocast`) and timing harnesses
 (as ``timeit`` does) pause it; reference counting still frees all acyclic garbage at once.
 Pauses are counted process-wide, across threads and nested regions: the first one switches the

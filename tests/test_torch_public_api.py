@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "effdl"
-# Kernel launchers whose way of launching is still being measured.
+# Kernel launchers: they call compiled kernels below Triton's public launch path on purpose.
 EXEMPT = {"ops/triton_launch.py", "ops/cpp_extension.py"}
 PRIVATE_TORCH_NAMES = (
     "_backward_hooks",

@@ -30,8 +30,8 @@ must not be reused by a later differentiable forward in the same region).
 Python's cyclic garbage collector is paused inside the outermost region (``pause_gc=True``, the
 default) and restored on exit: the casts here are Python-level calls, so every cast activation
 gets a Python tensor object, and the collections those objects set off mid-forward stall the
-queuing of kernels (measured in the task-1 report). Reference counting still frees acyclic garbage
-at once; cyclic garbage made inside a long region waits until it exits.
+queuing of kernels. Reference counting still frees acyclic garbage at once; cyclic garbage made
+inside a long region waits until it exits.
 
 Scope: Python functions the mode does not know (e.g. a ``torch.nn.functional`` helper not in the
 tables) are opaque to it: their inner ops run in the dtypes they are given. Only out-of-place ops
@@ -115,9 +115,8 @@ def _cross_entropy(
     ``<Half, float, Half>`` kernel that also appears in torch.autocast's CUDA profile); only
     the picked target log-probabilities are taken to fp32, and the loss is reduced in fp32, so
     a scaled loss's gradient (2**16 is inf in fp16) stays fp32 until it is spread over the
-    tokens. Casting the logits to fp32 first moved 3x the bytes and made an LM's loss 2.5x
-    slower. Other cases (probability targets, label smoothing, legacy reduction flags) run on
-    fp32 logits.
+    tokens, with no fp32 copy of the logits written and read again. Other cases (probability
+    targets, label smoothing, legacy reduction flags) run on fp32 logits.
     """
     if (
         input.dtype not in _LOW_PRECISION

@@ -8,7 +8,7 @@ differ exactly where the fixes are:
   (4 x 64 = 256) and attention is computed as ONE head of width 256 (the heads are never split);
   the attention block creates a LayerNorm and never applies it; ``nn.Softmax`` on explicitly
   materialised scores.
-- ``FIXED``: dims 256; heads split (4 heads x 64: a correctness fix, the model now is the
+- ``FIXED``: dims 256; heads split (4 heads x 64: a correctness fix, so the model is the
   multi-head ViT it claims to be); the attention pre-norm applied (a correctness fix too);
   ``F.scaled_dot_product_attention`` (fused kernels, no N x N score tensor kept for backward);
   q, k, v from one fused Linear (one GEMM instead of three). Parameter count: 5,545,492 instead

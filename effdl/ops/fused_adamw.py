@@ -3,10 +3,9 @@
 With flat fp32 masters (:mod:`effdl.optim.master_weights`) a step is: scale the gradients by the
 clipping coefficient, the AdamW update, and the rounding of the masters into the low-precision
 working weights. torch does these as three passes (``_foreach_mul_``, the fused AdamW kernel,
-a copy), and its fused kernel, built for lists of many tensors, moved 1.25 TB/s on an H100 for a
-1.5B-element buffer. Here they are one pass: per element it reads the master, the gradient and
-both moments (16 B) and writes the master, the moments and the working copy (12 B + 2 B for
-bf16): 30 B per parameter, the floor for this update.
+a copy); here they are one pass: per element it reads the master, the gradient and both
+moments (16 B) and writes the master, the moments and the working copy (12 B + 2 B for bf16):
+30 B per parameter, the floor for this update.
 
 The arithmetic is ``torch.optim.AdamW``'s (decoupled weight decay, bias corrections, ``eps``
 added to the bias-corrected RMS), in fp32; results agree with torch to rounding, not bit for bit.

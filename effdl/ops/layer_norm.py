@@ -10,40 +10,23 @@ and, with ``g = dy * w`` (``dy`` where there is no weight)::
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))     (the row means over N)
     dw = sum over rows of dy * xhat,   db = sum over rows of dy
 
-The forward saves ``x``, ``mean`` and ``rstd`` (two floats per row) and nothing of size ``M x N``
-else; the backward recomputes ``xhat`` from them. Traffic, counting ``M x N`` tensors: the
-forward reads x and writes y (2 passes), the backward reads x and dy and writes dx (3 passes), so
-5 passes per training step, against which the benchmark (``lm_training/layer_norm_benchmark.py``)
-measures achieved bandwidth.
+The forward saves ``x`` and the per-row ``mean`` and ``rstd``; the backward recomputes ``xhat``.
+A training step moves 5 passes over ``M x N`` (forward: read x, write y; backward: read x and
+dy, write dx). Every sum is fp32 and each output is rounded once, on store; dw and db are summed
+from per-program fp32 partials in a fixed order (no atomics), so results do not depend on
+scheduling. Inputs and outputs may be fp32, fp16 or bf16 (``x`` and ``w`` of different ones).
 
-Kernels: the forward runs one program per row, the whole row in registers, fp32 statistics. The
-backward runs a few programs per SM (enough rows in flight, few partials), each over a contiguous
-block of rows, writing dx row by row (the loads of the next rows pipelined behind the current
-one's math, as shared memory allows) and keeping its share of dw and db in fp32 registers; a
-third kernel sums the per-program partials (``programs x N``, fp32) in a fixed order and rounds
-them once to the parameters' dtype: no atomics, so results do not depend on scheduling. Inputs
-and outputs may be fp32, fp16 or bf16 (and ``x``, ``w`` of different ones); every sum is fp32
-and each output is rounded once, on store.
+Where the kernels run, the op is the C++ autograd op of ``csrc/fused_layer_norm.cpp``
+(:func:`cpp_op`), because eager steps at small shapes are bound by host time; it keeps the
+per-key launch plans that :func:`_plan_forward` / :func:`_plan_backward` make. The Python
+:class:`FusedLayerNormFunction` over the same kernels serves where the C++ op cannot be built
+and under torch.compile. Triton's launch hooks do not see the C++ op's launches; CUDA's
+profilers do. The PyTorch path (same formulas, fp32 or float64) serves CPU tensors, float64,
+rows wider than :data:`MAX_TRITON_WIDTH` and machines without triton; :func:`uses_triton` is
+the one place that decides.
 
-At small shapes an eager step costs more host time than GPU time, and a Python
-``autograd.Function`` alone costs most of what torch's whole C++ LayerNorm does (the benchmark's
-``host_floor`` variant measures it). So where the kernels run, the op is the C++ autograd op of
-``csrc/fused_layer_norm.cpp`` (:func:`cpp_op`): views, allocations, the autograd node and the
-launches in C++, the compiled Triton binaries called with ``cuLaunchKernel``. Python still
-decides every launch: the first call with a new key (shapes, strides, dtypes, alignment) asks
-:func:`_plan_forward` / :func:`_plan_backward`, which compile the kernels and describe them, and
-the op keeps that plan. The Python Function over the same kernels (three launches through
-:class:`effdl.ops.triton_launch.KernelLauncher`) serves where the C++ op cannot be built (see
-:mod:`effdl.ops.cpp_extension`) and under torch.compile, which traces it. Triton's launch hooks
-(a Triton profiler's) do not see the C++ op's launches; CUDA's profilers do.
-
-The PyTorch path computes the same formulas with torch ops in fp32 (float64 for float64 input).
-It serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` elements (a row must fit
-in one program's registers), and machines where triton does not import; float64 gradcheck on it
-checks the backward's derivation. Which path runs is decided in :func:`uses_triton` only.
-
-Under autocast the output keeps ``x``'s dtype (nn.LayerNorm returns float32 there): the point of
-fusing is to move half the bytes, and the layers that follow cast their input anyway.
+Under autocast the output keeps ``x``'s dtype (nn.LayerNorm returns float32 there): fusing is
+meant to move half the bytes, and the layers that follow cast their input anyway.
 """
 
 from __future__ import annotations
@@ -66,7 +49,7 @@ except ImportError:  # CPU-only installs: the PyTorch path serves every input
 
 MAX_TRITON_WIDTH = 16384  # elements of one row kept in registers by one program
 PROGRAMS_PER_SM = 4  # backward programs per SM: rows in flight on every SM while keeping the
-# dw/db partials (programs x N) small; 4 was the fastest or near it across the benchmark's shapes
+# dw/db partials (programs x N) small
 ROW_STAGES = 3  # rows of x and dy in flight per backward program (software pipelining)
 ROW_BUFFER_BYTES = 128 * 1024  # shared memory those rows may take per program (of ~227 KiB/SM)
 INTERPRETER_PROGRAMS = 4  # backward programs off CUDA (the Triton interpreter)
@@ -198,8 +181,7 @@ def _backward_programs(rows: int, device: torch.device) -> int:
 
 def _row_stages(block: int, x: torch.Tensor, dy: torch.Tensor) -> int:
     """Rows the backward loop keeps in flight: :data:`ROW_STAGES` where their x and dy fit
-    :data:`ROW_BUFFER_BYTES` of shared memory, else 1 (no pipelining; two stages of wide rows
-    measured slower than none)."""
+    :data:`ROW_BUFFER_BYTES` of shared memory, else 1 (no pipelining)."""
     row_bytes = block * (x.element_size() + dy.element_size())
     return ROW_STAGES if ROW_STAGES * row_bytes <= ROW_BUFFER_BYTES else 1
 

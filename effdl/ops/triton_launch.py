@@ -1,8 +1,8 @@
 """Launching a Triton kernel for less host time than ``kernel[grid](...)`` costs.
 
 ``JITFunction.run`` binds the arguments, works out their specialization and hashes a cache key on
-every call. On the benchmark hosts that is tens of microseconds of Python per launch, more than a
-small kernel runs on the GPU, so an eager step of a few small kernels waits on the host.
+every call: Python work per launch that can exceed a small kernel's GPU time, so an eager step
+of a few small kernels waits on the host.
 :class:`KernelLauncher` keeps each compiled kernel under a key built from the properties Triton
 specializes on (pointer dtypes and 16-byte alignment; integers' width, being 1, divisibility by
 16; the constexpr values; the launch options), a key at least as fine as Triton's own, and on a

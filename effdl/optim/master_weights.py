@@ -5,26 +5,20 @@ parameters *are* bf16, so the forward and backward read them as they are; the op
 fp32 master copy of each, sums each micro-batch's gradient into an fp32 buffer, updates the
 masters, and rounds them into the working weights once per step. With ``torch.optim.AdamW``
 the clipping scale, the update and that rounding are one pass over memory
-(:mod:`effdl.ops.fused_adamw`); other optimizers run their own ``step`` and a copy.
+(:mod:`effdl.ops.fused_adamw`); other optimizers run their own ``step`` and a copy. Unlike
+autocast over fp32 parameters, no weight is cast in every forward, no weight gradient is cast
+back to fp32 before a separate add, and the residual stream stays bf16.
 
-Why not autocast over fp32 parameters: autocast casts every weight to bf16 in every forward
-(6 B of traffic per parameter per micro-batch), autograd casts each bf16 weight gradient back
-to fp32 (6 B more) before adding it to ``.grad`` (12 B), and the embedding's fp32 output keeps
-the whole residual stream in fp32. Here a micro-batch costs one fp32 add of the bf16 gradient
-(10 B per parameter; the first micro-batch of a step a cast, 6 B), the step one bf16 copy of the
-masters (6 B), and the residual stream is bf16.
-
-Masters, their gradient sums and the working weights are each one flat buffer per optimizer
-parameter group (as Megatron-LM's contiguous gradient buffer), every parameter a view into
-them, and the optimizer runs over the flat buffers: its update, a gradient norm and the copy
-into the model are each a few kernels over long contiguous memory instead of one small launch
-per parameter. This is exact for optimizers that act element by element (SGD, Adam, AdamW...),
-not for ones with per-tensor statistics (LAMB, Adafactor).
+Masters, gradient sums and working weights are each one flat buffer per parameter group (as
+Megatron-LM's contiguous gradient buffer), every parameter a view into them, so the update, a
+gradient norm and the copy into the model are a few kernels over contiguous memory instead of
+one launch per parameter. This is exact for optimizers that act element by element (SGD, Adam,
+AdamW...), not for ones with per-tensor statistics (LAMB, Adafactor).
 
 A post-accumulate-grad hook adds each working gradient into its slice of the fp32 sum as soon
-as autograd has it (one vectorized kernel, :mod:`effdl.ops.fp32_accumulate`) and frees it, so the device never holds more than one parameter's bf16
-gradient at a time. Not for DDP or FSDP, which own ``.grad`` of the working parameters (FSDP2's
-``MixedPrecisionPolicy`` is their form of this).
+as autograd has it (:mod:`effdl.ops.fp32_accumulate`) and frees it, so the device holds at most
+one parameter's bf16 gradient at a time. Not for DDP or FSDP, which own ``.grad`` of the working
+parameters (FSDP2's ``MixedPrecisionPolicy`` is their form of this).
 """
 
 from __future__ import annotations

@@ -3,46 +3,33 @@
 The model's parameters become working copies on ``device`` in ``working_dtype`` (bf16 default,
 fp16 with loss scaling, fp32 for exact tests): views into flat per-bucket buffers. Pass them
 still in fp32 so the masters start exact. A post-accumulate-grad hook takes each gradient as
-autograd produces it and frees ``p.grad``, so the GPU never holds a full set; micro-batches are
-summed on the GPU (``grad_accumulation="gpu"``: one D2H copy per step) or on the CPU (``"cpu"``:
-a D2H copy per micro-batch on a side stream, summed exactly in fp32). The update is
-torch's fused CPU Adam/AdamW kernel, one bucket at a time in a worker thread; after
-``backward(loss, final=True)`` each bucket is updated, and its weights copied back on a second
-side stream, as soon as its gradients are complete, overlapping the rest of backward.
-
-The ``"gpu"`` accumulator is fp32 by default (4 B/param on the device: sums exact to fp32) or,
-with ``grad_accumulation_dtype=torch.bfloat16``, bf16 (2 B/param), which is what lets a model
-whose fp32 accumulator would not fit train at all. Each micro-batch's gradient is then added
-into it with one bf16 rounding per add, a relative error of about 2**-9 per add; with a few
-micro-batches per step this is far below the mini-batch noise of the gradient itself, and Adam
-divides the step by the gradient's running RMS, so a relative error in the gradient moves the
-update by about as much, not more. The update reads the accumulator as fp32 (per chunk on the
-8-bit paths, per parameter on the fp32 host path); a host update copies it down in bf16 too.
+autograd produces it and frees ``p.grad``, so the GPU never holds a full set. Micro-batches are
+summed on the GPU (``grad_accumulation="gpu"``: one D2H copy per step; the accumulator fp32, or
+bf16 with ``grad_accumulation_dtype`` for half the device bytes, each add then rounding to bf16,
+a relative error of about 2**-9, below the gradient's mini-batch noise) or on the CPU
+(``"cpu"``: a D2H copy per micro-batch on a side stream, summed in fp32). The update is torch's
+fused CPU Adam/AdamW, one bucket at a time in a worker thread; after ``backward(loss,
+final=True)`` each bucket is updated, and its weights copied back on a second side stream, as
+soon as its gradients are complete, overlapping the rest of backward.
 
 Semantics are torch.optim.Adam's and AdamW's: the fp32 masters equal
-``torch.optim.Adam(fused=True)`` on the CPU bit for bit; per-group hyper-parameters (read at
-every step), parameters without a gradient skipped, ``state_dict`` in torch's layout plus a
+``torch.optim.Adam(fused=True)`` on the CPU bit for bit; per-group hyper-parameters are read at
+every step, parameters without a gradient are skipped, ``state_dict`` is torch's layout plus a
 ``master`` per parameter. fp16 loss scaling (``scale=``) checks all gradients for inf/NaN before
 any update and skips the whole step (:attr:`found_inf`); the in-backward overlap is then off.
 
 ``moments="int8"`` keeps the moments block-wise 8-bit (:mod:`effdl.optim.quantized_state`,
-bitsandbytes' scheme): 2 bytes and a bit per parameter on the host instead of 8, at the cost of
-rounding the moments after every step (the masters stay fp32). ``state_dict`` then holds the
-codes and block absmaxes (``exp_avg_codes``, ``exp_avg_absmax``, ``exp_avg_sq_codes``,
-``exp_avg_sq_absmax``) instead of ``exp_avg``/``exp_avg_sq``; either form loads into either mode.
+bitsandbytes' scheme): 2 bytes and a bit per parameter on the host instead of 8; the masters
+stay fp32. ``state_dict`` then holds ``exp_avg_codes``, ``exp_avg_absmax``,
+``exp_avg_sq_codes`` and ``exp_avg_sq_absmax``; either form loads into either mode.
 
-With int8 moments, ``update_on="device"`` runs the update on the working device instead of the
-host, because quantizing on the CPU costs tens of ns per value: per bucket, the fp32 masters and
-the int8 moments go up (non-blocking, from the pinned host buffers themselves: no staging), the
-vectorized 8-bit Adam step runs there on a side stream (the same code as on the host, so on a
-CPU device the results are the host path's bit for bit), the new masters are cast into the
-working weights there, and masters and moments come back. The gradients stay on the device with
-``grad_accumulation="gpu"`` (then no host gradient buffer exists) or go up from the host with
-``"cpu"``. Extra device memory: at most :data:`DEVICE_BUCKETS_IN_FLIGHT` buckets of scratch,
-each ``bucket_numel * (6 B, + 4 B with "cpu" accumulation) + 2 * bucket_numel / 2048 * 4 B``,
-plus the step's temporaries, about 40 B per value of :data:`DEVICE_CHUNK_BLOCKS` * 2048 values
-(~340 MB; 44 B, ~370 MB, with a bf16 accumulator, whose chunk is read as fp32); the host keeps
-only fp32 masters and int8 moments (no working-weight staging copy).
+With int8 moments, ``update_on="device"`` moves the 8-bit step, costly on the CPU, to the
+working device: per bucket the masters and moments go up from the pinned host buffers, the step
+runs on a side stream (the host path's code, so on a CPU device bit for bit the same), the
+working weights are cast there, and masters and moments come back. Extra device memory: at
+most :data:`DEVICE_BUCKETS_IN_FLIGHT` buckets of scratch, each ``bucket_numel * (6 B, + 4 B with
+"cpu" accumulation) + 2 * bucket_numel / 2048 * 4 B``, plus the step's temporaries of
+:data:`DEVICE_STEP_BYTES_PER_VALUE` per value of a chunk (:data:`DEVICE_CHUNK_BLOCKS` blocks).
 
 :func:`plan_offload` lists the buffers a configuration allocates (what, where, dtype, bytes)
 without allocating them, so a run can budget GPU and host memory before it builds anything.

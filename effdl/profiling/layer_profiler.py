@@ -1,51 +1,35 @@
 """Module-level (layer) timing of a training step from ``nn.Module`` hooks.
 
 :class:`Profile` hooks every submodule of a model with forward pre/post hooks; the backward is
-timed from autograd hooks those set up on the module's tensors. Each hook takes a time stamp, so
-each call of a module gives one forward span and, when it takes part in autograd, one backward
-span. The stamps are CUDA events on the model's device (the spans lie on the GPU's timeline,
-correct under asynchronous execution, and are read with one synchronize when the results are
-asked for) or ``time.perf_counter_ns`` on the CPU. A :class:`Schedule` with
-``torch.profiler.schedule``'s meaning picks which steps are recorded.
+timed from autograd hooks those set up on the module's tensors. Each call of a module gives one
+forward span and, when it takes part in autograd, one backward span, from time stamps: CUDA
+events on the model's device (read with one synchronize when results are asked for) or
+``time.perf_counter_ns`` on the CPU. A :class:`Schedule` with ``torch.profiler.schedule``'s
+meaning picks which steps are recorded.
 
-What it measures, and its limits:
+What a span holds, and the limits:
 
-- Module boundaries, not kernels: a span runs from the stamp before a module's work to the stamp
-  after it, so it holds every kernel the module launched and, where the GPU waits for the host
-  (a host-bound model, a data loader), that wait as well. Spans are inclusive: a parent's span
-  holds its children's.
+- Module boundaries, not kernels: every kernel the module launched and, where the GPU waits for
+  the host, that wait. Spans are inclusive: a parent's span holds its children's.
 - A backward span starts when the gradient of the module's output is complete (a pre hook on
-  the autograd node that made each output tensor; a parent returning its child's output shares
-  the child's stamp) and ends when the gradients of all its positional tensor inputs that
-  require grad are (each such input reaches the module as an alias of itself, ``a[...]``, whose
-  node's pre hook runs once this module's use of it has its gradient; the values are the same).
-  Where no such input gets its gradient (the first layer, the model itself under input
-  images, an input used only without grad), the span ends with the backward pass, an upper
-  bound that holds the module's weight gradients: at the stamp taken once every parameter of
-  the model that takes part in the pass has its gradient (a multi-grad hook on the
-  parameters, ``torch.autograd.graph.register_multi_grad_hook``), or at a later stamp of the
-  same pass. Such spans are closed when the next backward pass, forward or step begins, or
-  when the profile ends.
+  the autograd node that made each output tensor) and ends when the gradients of all its
+  positional tensor inputs that require grad are (each input passes through an alias,
+  ``a[...]``, whose node's pre hook marks that point). Where no such input gets a gradient (the
+  first layer, an input used without grad), the span ends when every parameter taking part in
+  the pass has its gradient (``torch.autograd.graph.register_multi_grad_hook``): an upper bound.
 - Modules run under ``no_grad``/``inference_mode``, or whose outputs are not tensors or plain
-  tuples of tensors, get no backward span; only positional inputs count.
-- In-place changes of a module's output after it returns (``out += identity``, an in-place
-  ReLU on it) are allowed: the span starts when the gradient of the value the module returned
-  is complete. A module that changes its input in place (``nn.ReLU(inplace=True)``) works too:
-  its input alias leaves the graph, and its span ends once the node that took the alias's place
-  in the graph (the input's ``CopySlices``) has run.
+  tuples of tensors, get no backward span; only positional inputs count. In-place changes of a
+  module's output after it returns, and modules that change their input in place
+  (``nn.ReLU(inplace=True)``), are handled.
 - Activation checkpointing re-runs forwards during backward: those count as more forward calls.
-- One device; each stamp goes on the stream current where the hook runs (the autograd engine's
-  in backward). Spans nest as torch's engine orders a single device's backward (later modules
-  first); nothing here enforces it.
-- The hooks are registered only for steps the schedule records or warms up with, and cost host
-  time while they are (all through torch's public hook APIs, each of which builds a removable
-  handle). Per module call: two forward hooks, one extra autograd node (the input's alias) per
-  input with grad, two node pre hooks and about four stamps; per backward pass, one hook call
-  per parameter. That can be as much as a small module's own forward and backward
-  (``task3_vit_profiling/probes/layer_profiler_host_cost.py`` measures it): negligible while
-  the GPU is the bottleneck; where the host is, hook the blocks only (``max_depth``), or
-  spread the modules over steps (``sample_every``). Stamps are kept until the profile is
-  dropped, so bound long runs with a :class:`Schedule` that has a ``repeat``.
+- One device; each stamp goes on the stream current where the hook runs. Spans nest as torch's
+  engine orders a single device's backward; nothing here enforces it.
+- The hooks cost host time while on (the schedule's WARMUP and RECORD steps): per module call
+  two forward hooks, one alias node per input with grad, two node pre hooks and about four
+  stamps; per backward pass one hook call per parameter. Where the host bounds the step, hook
+  the blocks only (``max_depth``) or spread the modules over steps (``sample_every``). Stamps
+  are kept until the profile is dropped, so bound long runs with a :class:`Schedule` that has
+  a ``repeat``.
 """
 
 from __future__ import annotations
