@@ -5,13 +5,16 @@ whole in a single ``write`` on a file opened for appending and flushed at once, 
 crashes leaves every earlier line intact and no partial line behind; a write cut short (a full
 disk) is truncated back before the error is raised. Should a damaged last line still appear (a
 killed writer on a file system without atomic appends), the loader warns, naming file and line,
-and loads the rest; a damaged line anywhere else is an error.
+and loads the rest; a damaged line anywhere else is an error. The readers also take a
+gzip-compressed log (``<name>.jsonl.gz``, how large committed logs are kept) wherever they take
+``<name>.jsonl``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import errno
+import gzip
 import hashlib
 import json
 import math
@@ -192,15 +195,24 @@ class RunLog:
         return record
 
 
+def find_log(path: str | os.PathLike) -> Path:
+    """``path``, or its gzip-compressed form ``<path>.gz`` where only that one exists (committed
+    logs over 64 KB are kept compressed; a script writes the plain form)."""
+    path = Path(path)
+    gz = path.with_name(path.name + ".gz")
+    return gz if not path.exists() and gz.exists() else path
+
+
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of one JSONL file.
+    """All records of one JSONL file (read through gzip when its name ends in ``.gz``).
 
     A last line that is not valid JSON (a write cut short) is skipped with a
     :class:`DamagedLastLineWarning` naming file and line; any other malformed line raises
     :class:`ResultsFormatError`.
     """
     path = Path(path)
-    with path.open(encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
     records = []
     for i, (lineno, line) in enumerate(lines):
@@ -244,10 +256,12 @@ def load_results(
     a column ``source`` names the file each row came from. A missing folder, or one whose logs
     hold no record, raises FileNotFoundError, so a report never silently shows an empty table.
     A damaged last line of a file is skipped with a warning naming file and line
-    (:func:`read_records`).
+    (:func:`read_records`). A pattern also matches the gzip-compressed form of the logs it names
+    (``lm.jsonl`` finds ``lm.jsonl.gz``).
     """
     folder = Path(folder)
-    files = sorted(folder.glob(pattern)) if folder.is_dir() else []
+    patterns = [pattern] if pattern.endswith(".gz") else [pattern, pattern + ".gz"]
+    files = sorted({f for p in patterns for f in folder.glob(p)}) if folder.is_dir() else []
     if not files:
         raise FileNotFoundError(f"no run logs matching {pattern!r} under {folder}")
     rows: list[dict[str, Any]] = []

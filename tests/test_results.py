@@ -1,3 +1,4 @@
+import gzip
 import json
 import multiprocessing as mp
 import os
@@ -10,6 +11,7 @@ from effdl.results import (
     ResultsFormatError,
     RunLog,
     append_record,
+    find_log,
     load_results,
     make_record,
     read_records,
@@ -199,3 +201,15 @@ def test_logs_without_records_are_an_error_not_an_empty_table(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(FileNotFoundError, match="hold no records"):
         load_results(tmp_path)
+
+
+def test_gzipped_logs_are_read_where_their_plain_name_is_given(tmp_path):
+    plain = tmp_path / "a.jsonl"
+    append_record(plain, make_record("t", "v", {"x": 1}, {"y": 2.0}, ENV))
+    gz = tmp_path / "b.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_records(gz) == read_records(plain)
+    assert find_log(tmp_path / "b.jsonl") == gz and find_log(plain) == plain
+    df = load_results(tmp_path, "b.jsonl")  # the pattern finds the compressed log
+    assert list(df["source"]) == ["b.jsonl.gz"]
+    assert sorted(load_results(tmp_path)["source"]) == ["a.jsonl", "b.jsonl.gz"]
