@@ -91,19 +91,44 @@ def test_committed_notebooks_are_executed():
         )
 
 
+RESULTS_LIMIT_BYTES = 10 * 2**20  # DESIGN.md: reports/results/ within 10 MB
+PLAIN_LOG_LIMIT_BYTES = 64 * 2**10  # a larger committed log is kept gzip-compressed
+HOST_ID = re.compile(r"(?<![0-9a-z])(?=[a-f]*[0-9])[0-9a-f]{8}(?![0-9a-z])", re.I)
+
+
 def test_committed_results_are_run_logs_named_by_what_they_measure():
     files = sorted(p for p in (REPORTS / "results").rglob("*") if p.is_file())
     assert files
+    total = sum(p.stat().st_size for p in files)
+    assert total <= RESULTS_LIMIT_BYTES, f"reports/results holds {total / 2**20:.1f} MiB (> 10)"
     for path in files:
-        name = str(path.relative_to(REPORTS / "results"))
+        rel = path.relative_to(REPORTS / "results")
+        name = str(rel)
+        assert "archive" not in rel.parts[:-1], f"{name}: superseded runs are deleted, not archived"
         assert not re.search(r"session|stop[0-9_]|round[0-9_]|_[0-9a-f]{7}\b", name, re.I), (
             f"{name}: named after when it was made"
         )
-        if "traces" in path.relative_to(REPORTS / "results").parts[:-1]:  # profiler traces
-            assert name.endswith((".json", ".json.gz")), f"{name}: traces are trace-event JSON"
-            opener = gzip.open if path.suffix == ".gz" else open
-            with opener(path, "rt") as f:
+        assert not HOST_ID.search(path.name), (
+            f"{name}: named after a host (a record's env.gpu_id tells hosts apart)"
+        )
+        if "traces" in rel.parts[:-1]:  # profiler traces
+            assert name.endswith(".json.gz"), f"{name}: traces are gzipped trace-event JSON"
+            with gzip.open(path, "rt") as f:
                 assert json.load(f)["traceEvents"], f"{name}: no trace events"
             continue
-        assert path.suffix == ".jsonl", f"{name}: results hold JSONL run logs and traces/"
+        assert name.endswith((".jsonl", ".jsonl.gz")), (
+            f"{name}: results hold JSONL run logs and traces/"
+        )
+        if path.suffix == ".jsonl":
+            assert path.stat().st_size <= PLAIN_LOG_LIMIT_BYTES, (
+                f"{name}: a log over 64 KB is committed gzipped ({name}.gz)"
+            )
         assert read_records(path), f"{name}: no records"
+
+
+def test_host_id_pattern_tells_host_ids_from_measured_quantities():
+    assert HOST_ID.search("speedup_stages_replicate_8ac832b2.jsonl")
+    assert HOST_ID.search("vit_profile_49203efc.jsonl")
+    for name in ("pipeline_bubble_h200x2.jsonl", "gpt2_large_fixed_batch_16_lr3e-4.jsonl",
+                 "pipeline_memory_1000_microbatches_cpu.jsonl", "speedup_stages_replicate.jsonl"):  # fmt: skip
+        assert not HOST_ID.search(name), name
