@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import random
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +33,14 @@ class UsageError(Exception):
     """Bad arguments or input data; shown to the user as one line, no traceback."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (``prog: error: ...``, exit code 2), like
+    :func:`run_main`'s: the usage is left to ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def base_parser(description: str, default_out: str) -> argparse.ArgumentParser:
     """An ArgumentParser with the flags every task script takes.
 
@@ -39,7 +48,7 @@ def base_parser(description: str, default_out: str) -> argparse.ArgumentParser:
     ``--out`` (folder for run logs, default ``default_out``), ``--seed`` (an integer in
     [0, 2**32 - 1], the range numpy's seeding takes).
     """
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
@@ -115,9 +124,35 @@ def require_path(path: Path, what: str, flag: str) -> Path:
     return path
 
 
+def require_writable_folder(path: Path, flag: str) -> Path:
+    """Fail with a one-line error unless ``path`` is a folder this process can write, or can be
+    created as one; creates nothing (the run's first write makes it)."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag}: {existing} is a file, expected a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: cannot write {path} ({existing} is not writable)")
+    return path
+
+
 def flag_of(name: str) -> str:
     """The command-line flag of a config field: ``batch_size`` -> ``--batch-size``."""
     return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class BoundFlag:
+    """A flag :meth:`ConfigFlags.add` bound: the config field, the flag, the keywords it gave
+    ``add_argument`` (``type``, ``choices``, ``action``, ``nargs`` ...), and whether the field is
+    a folder the run writes (``output``)."""
+
+    field: str
+    flag: str
+    options: Mapping[str, Any]
+    output: bool = False
 
 
 class ConfigFlags(Generic[C]):
@@ -126,7 +161,9 @@ class ConfigFlags(Generic[C]):
     Every flag added with :meth:`add` defaults to "not given", so :meth:`resolve` starts from the
     full preset (or the quick one under ``--quick``) and replaces exactly the fields the user gave:
     a flag given is honoured, ``--quick`` only changes defaults. The help text shows both presets.
-    The config is validated once, by its ``validate()`` method if it has one.
+    The config is validated once: ``--out`` (where the parser has it) and every ``output`` field
+    must be a folder that can be written, then the config's ``validate()`` method (if it has
+    one) checks it, and every number given must be finite.
     """
 
     def __init__(self, parser: argparse.ArgumentParser, full: C, quick: C | None = None) -> None:
@@ -136,31 +173,55 @@ class ConfigFlags(Generic[C]):
         self.full = full
         self.quick = full if quick is None else quick
         self._fields = {f.name for f in dataclasses.fields(full)}
-        self._dests: list[str] = []
+        self._bound: list[BoundFlag] = []
 
-    def add(self, name: str, *, flag: str | None = None, help: str = "", **kwargs: Any) -> None:
-        """Add ``--name`` (or ``flag``) for field ``name``; kwargs go to ``add_argument``."""
+    @property
+    def bound(self) -> tuple[BoundFlag, ...]:
+        """The flags added so far, in order."""
+        return tuple(self._bound)
+
+    def add(
+        self,
+        name: str,
+        *,
+        flag: str | None = None,
+        help: str = "",
+        output: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """Add ``--name`` (or ``flag``) for field ``name``; kwargs go to ``add_argument``.
+        ``output``: the field is a folder the run writes, checked to be writable (when set) by
+        :meth:`resolve`."""
         if name not in self._fields:
             raise ValueError(f"{type(self.full).__name__} has no field {name!r}")
         full, quick = getattr(self.full, name), getattr(self.quick, name)
         shown = f"default {_show(full)}" + ("" if full == quick else f"; --quick {_show(quick)}")
+        flag = flag or flag_of(name)
         self.parser.add_argument(
-            flag or flag_of(name),
+            flag,
             dest=name,
             default=argparse.SUPPRESS,
             help=f"{help} ({shown})" if help else f"({shown})",
             **kwargs,
         )
-        self._dests.append(name)
+        self._bound.append(BoundFlag(name, flag, dict(kwargs), output))
 
     def resolve(self, args: argparse.Namespace) -> C:
         """The preset ``args.quick`` picks, with every given flag's value; validated."""
         base = self.quick if getattr(args, "quick", False) else self.full
-        given = {name: getattr(args, name) for name in self._dests if hasattr(args, name)}
+        given = {b.field: getattr(args, b.field) for b in self._bound if hasattr(args, b.field)}
+        if getattr(args, "out", None) is not None:
+            require_writable_folder(args.out, "--out")
         cfg = dataclasses.replace(base, **given)
+        for b in self._bound:
+            if b.output and getattr(cfg, b.field) is not None:
+                require_writable_folder(getattr(cfg, b.field), b.flag)
         validate = getattr(cfg, "validate", None)
         if validate is not None:
             validate()
+        for b in self._bound:  # what validate() left unchecked
+            if b.field in given:
+                require_finite(b.flag, given[b.field])
         return cfg
 
 
@@ -189,6 +250,24 @@ def require_memory(
             f"{flags}: {what + ' ' if what else ''}needs at least {need_bytes / gib:,.1f} GiB, "
             f"{where} has {free / gib:,.1f} GiB free"
         )
+
+
+def require_finite(flag: str, value: Any) -> None:
+    """UsageError naming ``flag`` if ``value`` (or an element of it, for a list) is a float that
+    is NaN or infinite: no setting means either."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UsageError(f"{flag}: expected a finite number, got {v!r}")
+
+
+def require_fits(flags: str, numel: float, what: str, bytes_per_element: int = 4) -> None:
+    """UsageError naming ``flags`` unless ``numel`` elements of ``bytes_per_element`` bytes (a
+    lower estimate of what the run allocates, from its size flags; ``what`` names it) fit in
+    the host's available memory: for a config's ``validate``, before any device is chosen or
+    anything is allocated."""
+    need = min(numel * bytes_per_element, 1e300)  # a float even for an int past float's range
+    require_memory(flags, float(need), "cpu", what)
 
 
 def require_positive(cfg: Any, *names: str, minimum: float = 1) -> None:

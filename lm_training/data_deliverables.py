@@ -20,7 +20,15 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from effdl.cli import ConfigFlags, base_parser, print_table, require_positive, run_main, start_run
+from effdl.cli import (
+    ConfigFlags,
+    base_parser,
+    print_table,
+    require_fits,
+    require_positive,
+    run_main,
+    start_run,
+)
 from effdl.data.labels import IGNORE_INDEX
 from effdl.data.parquet import CollatorForCLM, IterableParquetDataset, ParquetDataset
 from effdl.data.stdlib_text import DEFAULT_CACHE
@@ -46,6 +54,12 @@ class DeliverablesConfig:
 
     def validate(self) -> None:
         require_positive(self, "batch_size", "sequence_length", "decoded_tokens", "bpe_vocab")
+        require_fits(
+            "--batch-size --sequence-length",
+            self.batch_size * self.sequence_length,
+            "a batch of token ids (int64)",
+            bytes_per_element=8,
+        )
 
 
 FULL = DeliverablesConfig()
@@ -62,7 +76,7 @@ def parse_args():
     flags.add("tokenizer", type=Path, help="local HF tokenizer folder")
     flags.add("bpe_vocab", type=int)
     flags.add("corpus_bytes", type=int)
-    flags.add("cache", type=Path)
+    flags.add("cache", type=Path, output=True)
     args = p.parse_args()
     return args, flags.resolve(args)
 

@@ -36,6 +36,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_fits,
     require_positive,
     run_main,
     start_run,
@@ -86,6 +87,13 @@ class StudyConfig:
         require_positive(self, "warmup_steps", "workers", minimum=0)
         require_positive(self, "lr", minimum=0)
         require_choices(self, "amp_dtype", ("fp16", "bf16"))
+        require_fits(
+            "--tokens-per-step --max-length --d-model --d-ff --n-layers",
+            self.n_layers
+            * (self.tokens_per_step * (self.d_model + self.d_ff) + self.d_model * self.d_ff)
+            + self.max_length * self.d_model,
+            "a step's activations and the weights (fp32)",
+        )
         if self.timed_steps < 1:
             raise UsageError(
                 f"--steps {self.steps} leaves no timed step after --warmup-steps "
@@ -150,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Study
     flags.add("workers", type=int, help="DataLoader workers once the loader is fixed")
     flags.add("bpe_vocab", type=int, help="vocabulary of the stdlib BPE")
     flags.add("corpus_bytes", type=int, help="cap of the stdlib corpus; None = all of it")
-    flags.add("cache", type=Path, help="folder for the corpus parquets and the BPE")
+    flags.add("cache", type=Path, output=True, help="folder for the corpus parquets and the BPE")
     flags.add("compile_on_cpu", action="store_true", help="run the compile stage on a CPU too")
     args = p.parse_args(argv)
     return args, flags.resolve(args)

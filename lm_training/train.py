@@ -34,6 +34,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_fits,
     require_path,
     require_positive,
     run_main,
@@ -125,6 +126,16 @@ class TrainConfig:
         require_positive(self, "eval_every", "timing_warmup", "lr", "min_lr", minimum=0)
         require_positive(self, "ddp_bucket_mb")
         require_positive(self, "stop_after", minimum=0)
+        if self.vocab_size is not None:
+            require_positive(self, "vocab_size")
+        shape = PRESETS[self.model]
+        vocab = self.vocab_size or shape.vocab_size
+        require_fits(
+            "--batch-size --sequence-length --vocab-size",
+            self.batch_size * self.sequence_length * shape.dim * shape.n_layers + vocab * shape.dim,
+            "the blocks' inputs saved for backward (bf16) and the embedding",
+            bytes_per_element=2,
+        )
         problem = flag_problem(self.activation_checkpoint, self.precision, self.save, self.resume)
         if problem:
             raise UsageError(problem)
@@ -213,11 +224,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("tokenizer", type=Path, help="local HF tokenizer folder; None = BPE on the stdlib")
     flags.add("bpe_vocab", type=int, help="vocabulary of the default BPE")
     flags.add("corpus_bytes", type=int, help="cap of the stdlib corpus; None = all of it")
-    flags.add("cache", type=Path, help="folder for the corpus parquets and the BPE")
+    flags.add("cache", type=Path, output=True, help="folder for the corpus parquets and the BPE")
     flags.add("parallel", choices=["none", "ddp", "fsdp"], help="under torchrun for N processes")
     flags.add("ddp_bucket_mb", type=float, help="MB of gradients per DDP all-reduce")
     flags.add("activation_checkpoint", help="blocks recomputed: none, full, selective:K, op")
-    flags.add("save", type=Path, help="write a distributed checkpoint when the run stops")
+    flags.add(
+        "save", type=Path, output=True, help="write a distributed checkpoint when the run stops"
+    )
     flags.add("resume", type=Path, help="continue from a --save checkpoint")
     flags.add("stop_after", type=int, help="stop after this many steps (0: --steps)")
     flags.add("workers", type=int, help="DataLoader worker processes")

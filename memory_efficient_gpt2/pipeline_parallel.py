@@ -52,6 +52,7 @@ from effdl.parallel.pipeline_training import (
     BACKENDS,
     DTYPES,
     PipelineConfig,
+    load_data,
     reference_run,
     run_ranks,
 )
@@ -112,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pipel
 def main(argv: list[str] | None = None) -> None:
     args, cfg = parse_args(argv)
     cfg = dataclasses.replace(cfg, seed=args.seed)
+    if cfg.data is not None:
+        load_data(cfg)  # refused here, in one line, rather than in every rank
     # The log is opened before any work, by the one process that writes it.
     logging = os.environ.get("RANK", "0") == "0"
     run = start_run(args, TASK, LOG) if logging else None

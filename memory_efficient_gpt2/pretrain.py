@@ -58,6 +58,7 @@ from effdl.cli import (
     flag_of,
     print_table,
     require_choices,
+    require_fits,
     require_multiple,
     require_positive,
     run_main,
@@ -121,6 +122,7 @@ class PretrainConfig:
             require_positive(self, "corpus_bytes")
         shape = SHAPES[self.size]
         require_multiple(self, "batch", "micro_batch")
+        require_fits("--batch --seq", self.batch * self.seq, "a step's token ids (int64)", 8)
         if self.seq > shape.n_positions:
             raise UsageError(f"--seq {self.seq} exceeds GPT-2's {shape.n_positions} positions")
         if not 0 <= self.checkpoint_layers <= shape.n_layer:
@@ -169,8 +171,15 @@ def parse_args() -> tuple[argparse.Namespace, PretrainConfig]:
     flags.add("skip_tokens", type=int, help="head of the stream held out (train.py's fixed batch)")
     flags.add("bpe_vocab", type=int, help="ids of the stdlib BPE")
     flags.add("corpus_bytes", type=int, help="cap of the stdlib corpus (train.py's, to match)")
-    flags.add("cache", type=Path, help="folder of the corpus and BPE cache (train.py's)")
-    flags.add("save", type=Path, help="model folder to write (default --out/pretrained-<size>)")
+    flags.add(
+        "cache", type=Path, output=True, help="folder of the corpus and BPE cache (train.py's)"
+    )
+    flags.add(
+        "save",
+        type=Path,
+        output=True,
+        help="model folder to write (default --out/pretrained-<size>)",
+    )
     args = p.parse_args()
     return args, flags.resolve(args)
 

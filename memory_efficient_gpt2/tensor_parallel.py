@@ -53,6 +53,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_fits,
     require_positive,
     run_main,
     start_run,
@@ -123,6 +124,12 @@ class TensorParallelConfig:
             for name in ("hidden", "d_model", "heads"):
                 if getattr(self, name) % world:
                     raise UsageError(f"--{name.replace('_', '-')} must divide by {world} ranks")
+        width = max(self.bench_width)
+        require_fits(
+            "--batch --hidden --d-model --bench-batch --bench-width",
+            (self.batch + self.d_model) * self.hidden + (self.bench_batch + width) * width,
+            "the activations and weights of the MLP",
+        )
         if self.d_model % self.heads:
             raise UsageError(f"--d-model {self.d_model} must divide by --heads {self.heads}")
 

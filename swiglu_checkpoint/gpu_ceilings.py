@@ -21,6 +21,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_fits,
     require_positive,
     run_main,
     start_run,
@@ -48,6 +49,7 @@ class CeilingsConfig:
     def validate(self) -> None:
         require_choices(self, "dtypes", DTYPES)
         require_positive(self, "sizes", "iters")
+        require_fits("--sizes", 3 * max(self.sizes) ** 2, "the product's three n x n matrices")
         if not self.copy_gib > 0:
             raise UsageError(f"--copy-gib must be > 0, got {self.copy_gib}")
 

@@ -52,6 +52,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_fits,
     require_positive,
     run_main,
     seed_everything,
@@ -122,6 +123,13 @@ class LMPrecisionConfig:
             raise UsageError(f"--d-model must be a multiple of 8 (the heads), got {self.d_model}")
         if not self.static_scale > 0:
             raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
+        rows = max([self.batch_size, *self.timing_batch_sizes])
+        require_fits(
+            "--batch-size --timing-batch-sizes --max-length --d-model --n-layers --synthetic-vocab",
+            rows * self.max_length * self.d_model * self.n_layers
+            + self.synthetic_vocab * self.d_model,
+            "a batch's activations and the embedding",
+        )
 
     @property
     def n_heads(self) -> int:

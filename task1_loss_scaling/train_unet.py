@@ -41,6 +41,7 @@ from effdl.cli import (
     decide_auto,
     print_table,
     require_choices,
+    require_fits,
     require_path,
     require_positive,
     run_main,
@@ -107,6 +108,12 @@ class UNetConfig:
             )
         if not self.static_scale > 0:
             raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
+        require_fits(
+            "--n-images --batch-size --size",
+            (self.n_images + self.batch_size) * 3 * self.size**2,
+            "the decoded images and a batch of them (a byte per value)",
+            bytes_per_element=1,
+        )
         if self.workers is not None:
             require_positive(self, "workers")
 
@@ -124,7 +131,7 @@ def parse_config() -> tuple[UNetConfig, Run]:
     p = base_parser(__doc__.splitlines()[0], default_out="runs/task1")
     flags = ConfigFlags(p, FULL, QUICK)
     flags.add("data", type=Path, help="Carvana root (train/, train_masks/); none: synthetic")
-    flags.add("cache", type=Path, help="data caches")
+    flags.add("cache", type=Path, output=True, help="data caches")
     flags.add("n_images", type=int, help="synthetic set size")
     flags.add("size", type=int, help="image side, a multiple of 8")
     flags.add("batch_size", type=int)

@@ -30,6 +30,7 @@ from effdl.cli import (
     UsageError,
     print_table,
     require_choices,
+    require_fits,
     require_memory,
     require_positive,
     run_main,
@@ -66,6 +67,12 @@ class MockEpochConfig(runs.PipelineRunConfig):
         budgets = [n for n in self.max_tokens if n is not None]
         if budgets and min(budgets) < 1:
             raise UsageError(f"--max-tokens: budgets must be >= 1, got {min(budgets)}")
+        if budgets:
+            require_fits(
+                "--max-tokens",
+                max(budgets) * (self.d_model + self.d_ff),
+                "a batch's activations in one layer (fp32)",
+            )
         if budgets and "ultra" not in self.pipelines:
             raise UsageError("--max-tokens needs 'ultra' in --pipelines")
 

@@ -33,6 +33,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_fits,
     require_path,
     require_positive,
     run_main,
@@ -58,6 +59,7 @@ class PackingCostsConfig:
     def validate(self) -> None:
         require_positive(self, "sizes", "capacity", "iters")
         require_positive(self, "warmup", minimum=0)
+        require_fits("--sizes", max(self.sizes), "the documents' lengths (int64)", 8)
         require_choices(self, "overlong", OVERLONG)
 
 

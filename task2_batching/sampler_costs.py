@@ -19,7 +19,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from tqdm import tqdm
 
-from effdl.cli import ConfigFlags, base_parser, print_table, require_positive, run_main, start_run
+from effdl.cli import (
+    ConfigFlags,
+    UsageError,
+    base_parser,
+    print_table,
+    require_fits,
+    require_positive,
+    run_main,
+    start_run,
+)
 from effdl.data.samplers import UltraDuperBigBrainBatchSampler
 
 
@@ -34,6 +43,12 @@ class SamplerCostsConfig:
     def validate(self) -> None:
         require_positive(self, "ns", "batch_size", "batches", "repeats")
         require_positive(self, "ks", minimum=0)
+        require_fits("--ns", max(self.ns), "the documents' lengths (int64)", 8)
+        if self.batch_size > min(self.ns):
+            raise UsageError(
+                f"--batch-size {self.batch_size} exceeds the smallest data set of --ns "
+                f"({min(self.ns)} documents)"
+            )
 
 
 FULL = SamplerCostsConfig()

@@ -28,6 +28,7 @@ from effdl.cli import (
     Run,
     UsageError,
     print_table,
+    require_fits,
     require_positive,
     run_main,
     seed_everything,
@@ -58,6 +59,11 @@ class TrainPipelinesConfig(runs.PipelineRunConfig):
         self.check_fields(DTYPES, minimum=2)
         require_positive(self, "token_budget", "max_vocab", minimum=2)
         require_positive(self, "lr", minimum=0)
+        require_fits(
+            "--batch-size --max-length",
+            self.batch_size * self.max_length * (self.d_model + self.d_ff),
+            "a batch's activations in one layer (fp32)",
+        )
 
 
 FULL = TrainPipelinesConfig()

@@ -14,6 +14,7 @@ from effdl.cli import (
     ConfigFlags,
     UsageError,
     require_choices,
+    require_fits,
     require_multiple,
     require_path,
     require_positive,
@@ -110,6 +111,7 @@ class TrainConfig:
                 f"{self.size}, got {self.checkpoint_layers}"
             )
         require_multiple(self, "batch", "micro_batch")
+        require_fits("--batch --seq", self.batch * self.seq, "a step's token ids (int64)", 8)
         if self.seq > shape.n_positions:
             raise UsageError(f"--seq {self.seq} exceeds GPT-2's {shape.n_positions} positions")
         if self.model_path is not None:
@@ -196,7 +198,7 @@ FLAGS: dict[str, dict] = {
     },
     "bpe_vocab": {"type": int, "help": "ids of the BPE trained on the stdlib corpus"},
     "corpus_bytes": {"type": int, "help": "cap of the stdlib corpus; None = all of it"},
-    "cache": {"type": Path, "help": "folder of the stdlib corpus and its BPE"},
+    "cache": {"type": Path, "output": True, "help": "folder of the stdlib corpus and its BPE"},
     "reference": {
         "choices": REFERENCES,
         "help": "adamw: after our run, the same steps with torch AdamW (fp32 + bf16 autocast)",

@@ -72,7 +72,12 @@ class Specials:
 def text_file_parquet(path: Path, cache_dir: Path) -> Path:
     """A UTF-8 text file as a parquet (cached by content hash): one document per block of
     non-empty lines, blocks separated by blank lines."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"--data: {path} is neither a parquet nor UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     docs = [b.strip("\n") for b in re.split(r"\n\s*\n", text) if b.strip()]
     if not docs:
         raise UsageError(f"--data: {path} has no text")
@@ -82,11 +87,21 @@ def text_file_parquet(path: Path, cache_dir: Path) -> Path:
     return out
 
 
+def check_text_parquet(path: Path, flag: str) -> None:
+    """UsageError naming ``flag`` unless ``path`` is a parquet with a ``text`` column."""
+    try:
+        read_text_column(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"{flag}: {path}: {e}") from None
+
+
 def resolve_data(
     data: Path | None, eval_data: Path | None, cache_dir: Path, corpus_bytes: int | None
 ) -> DataSource:
     """The stdlib corpus (train + held-out split) by default, else the user's files."""
     if data is None:
+        if eval_data is not None:
+            check_text_parquet(eval_data, "--eval-data")
         corpus = stdlib_corpus(cache_dir, max_bytes=corpus_bytes)
         return DataSource(corpus.name, corpus.train, eval_data or corpus.val)
     if not data.is_file():

@@ -23,7 +23,7 @@ import torch._dynamo  # (optimizers import it, seconds: once here, not in every 
 import torch.distributed as dist
 from torch import nn
 
-from effdl.cli import UsageError, require_choices, require_positive
+from effdl.cli import UsageError, require_choices, require_fits, require_positive
 from effdl.data.digits import DigitsDataError, load_digits_tensors
 from effdl.parallel.classifiers import epoch_batches, equal_work_mlp, multiply_adds
 from effdl.parallel.launch import round_robin_device, share_cpu, spawn
@@ -81,6 +81,12 @@ class PipelineConfig:
         require_positive(self, "long_micro_batches", "long_micro_batch_size", "long_steps")
         require_positive(self, "lr", "threads", minimum=0)
         require_positive(self, "timed_steps")
+        rows = max(self.batch, self.long_micro_batch_size * max(self.long_micro_batches))
+        require_fits(
+            "--batch --hidden --stages --long-micro-batches --long-micro-batch-size",
+            rows * self.hidden + self.stages * self.hidden**2,
+            "a batch's activations and the stages' weights",
+        )
         if self.timed_steps >= self.steps and not (self.reference or self.long):
             raise UsageError(
                 f"--timed-steps {self.timed_steps} must be below --steps {self.steps}: "

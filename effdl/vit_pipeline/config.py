@@ -13,12 +13,14 @@ import torch
 
 from effdl.cli import (
     AUTO,
+    ArgumentParser,
     ConfigFlags,
     UsageError,
     base_parser,
     decide_auto,
     int_or_auto,
     require_choices,
+    require_fits,
     require_positive,
 )
 from effdl.models.vit import PRESETS as MODEL_PRESETS
@@ -80,6 +82,12 @@ class PipelineConfig:
         require_positive(self, "lr", minimum=0)
         if self.max_side < self.min_side:
             raise UsageError(f"--max-side {self.max_side} is below --min-side {self.min_side}")
+        require_fits(
+            "--max-side --batch-size",
+            3 * self.max_side**2 + self.batch_size * 3 * MODEL_PRESETS[self.model].image_size ** 2,
+            "a decoded photo and a batch of model inputs (fp32)",
+            bytes_per_element=4,
+        )
         if self.max_images is not None:
             require_positive(self, "max_images", minimum=10)
         if self.workers != AUTO:
@@ -125,7 +133,7 @@ def parse_config(
 ) -> tuple[argparse.Namespace, PipelineConfig]:
     """``--pipeline`` picks the preset pair the other flags override; validated config.
     ``extra`` adds a script's own arguments."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = ArgumentParser(add_help=False)
     pre.add_argument("--pipeline", choices=PIPELINES, default="as_given")
     pipeline = pre.parse_known_args()[0].pipeline
     p = base_parser(description, default_out)
@@ -147,7 +155,7 @@ def add_flags(flags: ConfigFlags) -> None:
         type=Path,
         help="clothing-dataset-full folder (images.csv, images_original/); none: generated",
     )
-    flags.add("data_cache", type=Path, help="where the generated set is written once")
+    flags.add("data_cache", type=Path, output=True, help="where the generated set is written once")
     flags.add("n_images", type=int, help="generated set: photos")
     flags.add("min_side", type=int, help="generated set: shortest long side, px")
     flags.add("max_side", type=int, help="generated set: longest long side, px")

@@ -35,7 +35,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from effdl.cli import ConfigFlags, base_parser, print_table, require_positive, run_main, start_run
+from effdl.cli import (
+    ConfigFlags,
+    base_parser,
+    print_table,
+    require_fits,
+    require_positive,
+    run_main,
+    start_run,
+)
 from effdl.data.parquet import IterableParquetDataset
 from effdl.data.stdlib_text import DEFAULT_CACHE, stdlib_bpe, stdlib_corpus
 from effdl.data.tokenize import BOS_TOKEN, load_hf_tokenizer
@@ -68,6 +76,11 @@ class ProbeConfig:
         require_positive(self, "micro_batches", "bpe_vocab", "corpus_bytes", "eval_batches")
         require_positive(self, "lr", minimum=0)
         require_positive(self, "warmup", minimum=0)
+        require_fits(
+            "--layers --d-model --micro-batch --seq",
+            self.layers * self.d_model * (12 * self.d_model + self.micro_batch * self.seq),
+            "the blocks' weights and saved inputs (fp32)",
+        )
 
 
 QUICK = replace(ProbeConfig(), steps=8, layers=1, d_model=32, heads=2, seq=32, warmup=2,
@@ -237,7 +250,7 @@ def main() -> None:
                  "warmup", "bpe_vocab", "corpus_bytes", "eval_batches"):  # fmt: skip
         flags.add(name, type=int)
     flags.add("lr", type=float)
-    flags.add("cache", type=Path, help="folder of the corpus and tokenizer")
+    flags.add("cache", type=Path, output=True, help="folder of the corpus and tokenizer")
     args = p.parse_args()
     cfg = flags.resolve(args)
     run = start_run(args, task="gpt2", logs="optimizer_equivalence.jsonl")
