@@ -34,7 +34,6 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
-    require_fits,
     require_path,
     require_positive,
     run_main,
@@ -46,6 +45,7 @@ from effdl.lm import data as lm_data
 from effdl.lm.build import (
     ATTENTION_BACKENDS,
     build_model,
+    check_llama_fits,
     llama_args,
     optimizer_and_clip,
     select_attention,
@@ -128,14 +128,7 @@ class TrainConfig:
         require_positive(self, "stop_after", minimum=0)
         if self.vocab_size is not None:
             require_positive(self, "vocab_size")
-        shape = PRESETS[self.model]
-        vocab = self.vocab_size or shape.vocab_size
-        require_fits(
-            "--batch-size --sequence-length --vocab-size",
-            self.batch_size * self.sequence_length * shape.dim * shape.n_layers + vocab * shape.dim,
-            "the blocks' inputs saved for backward (bf16) and the embedding",
-            bytes_per_element=2,
-        )
+        check_llama_fits(PRESETS[self.model], self.vocab_size, self.batch_size, self.sequence_length)  # fmt: skip
         problem = flag_problem(self.activation_checkpoint, self.precision, self.save, self.resume)
         if problem:
             raise UsageError(problem)
@@ -228,9 +221,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("parallel", choices=["none", "ddp", "fsdp"], help="under torchrun for N processes")
     flags.add("ddp_bucket_mb", type=float, help="MB of gradients per DDP all-reduce")
     flags.add("activation_checkpoint", help="blocks recomputed: none, full, selective:K, op")
-    flags.add(
-        "save", type=Path, output=True, help="write a distributed checkpoint when the run stops"
-    )
+    flags.add("save", type=Path, output=True, help="distributed checkpoint written at the end")
     flags.add("resume", type=Path, help="continue from a --save checkpoint")
     flags.add("stop_after", type=int, help="stop after this many steps (0: --steps)")
     flags.add("workers", type=int, help="DataLoader worker processes")
@@ -272,9 +263,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
     tokenizer, specials = lm_data.load_tokenizer(tok_dir)
     margs = llama_args(cfg.model, cfg.sequence_length, cfg.vocab_size, tokenizer.get_vocab_size())
     if cfg.eval_every and source.val is None:
-        raise UsageError(
-            "--eval-every needs held-out text: give --eval-data (or use the default corpus)"
-        )
+        raise UsageError("--eval-every needs held-out text: give --eval-data (or use the default corpus)")  # fmt: skip
     micro_batches = lm_data.train_loader(
         source, tokenizer, specials, dataset=cfg.dataset, seq_len=cfg.sequence_length,
         batch_size=cfg.batch_size, samples=cfg.steps * cfg.grad_accumulation * cfg.batch_size * d.world,
@@ -293,14 +282,9 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
         add_profile_ranges(model)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
-    model = wrap_model(
-        model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world,
-        bucket_cap_mb=cfg.ddp_bucket_mb,
-    )  # fmt: skip
+    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb)  # fmt: skip
     model.train()
-    opt, clip = optimizer_and_clip(
-        model, cfg.precision, cfg.lr, cfg.weight_decay, cfg.fused_optimizer
-    )
+    opt, clip = optimizer_and_clip(model, cfg.precision, cfg.lr, cfg.weight_decay, cfg.fused_optimizer)  # fmt: skip
     autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"
     compute = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast)
     loss_fn = torch.compile(token_loss_sum) if cfg.compile else token_loss_sum

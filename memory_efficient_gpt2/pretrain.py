@@ -17,9 +17,8 @@ trained on, only evaluated at the end (``heldout_loss``, beside their unigram an
 entropies). The rest is cut into ``--seq``-token windows, drawn in a seeded random order, a new
 order each pass (the run repeats passes if the steps need more tokens than the corpus has).
 
-The skip is exact, not a margin: the saved folder carries the BPE's ``tokenizer.json``, and
-train.py reading text with ``--model-path`` keeps the ``<bos>`` id between documents when the
-folder's tokenizer has that token, so both scripts cut the identical stream (tested).
+The skip is exact: the saved folder carries the BPE's ``tokenizer.json`` and train.py with
+``--model-path`` keeps its ``<bos>`` id between documents, so both cut the identical stream.
 
 Training: ``torch.optim.AdamW(fused=True)`` on fp32 weights, bf16 autocast on CUDA (fp32 on the
 CPU), ``--batch`` sequences per step in micro-batches of ``--micro-batch`` whose gradients are
@@ -171,15 +170,8 @@ def parse_args() -> tuple[argparse.Namespace, PretrainConfig]:
     flags.add("skip_tokens", type=int, help="head of the stream held out (train.py's fixed batch)")
     flags.add("bpe_vocab", type=int, help="ids of the stdlib BPE")
     flags.add("corpus_bytes", type=int, help="cap of the stdlib corpus (train.py's, to match)")
-    flags.add(
-        "cache", type=Path, output=True, help="folder of the corpus and BPE cache (train.py's)"
-    )
-    flags.add(
-        "save",
-        type=Path,
-        output=True,
-        help="model folder to write (default --out/pretrained-<size>)",
-    )
+    flags.add("cache", type=Path, output=True, help="corpus and BPE cache (train.py's)")
+    flags.add("save", type=Path, output=True, help="model folder (default --out/pretrained-<size>)")
     args = p.parse_args()
     return args, flags.resolve(args)
 

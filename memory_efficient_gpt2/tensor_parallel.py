@@ -124,12 +124,8 @@ class TensorParallelConfig:
             for name in ("hidden", "d_model", "heads"):
                 if getattr(self, name) % world:
                     raise UsageError(f"--{name.replace('_', '-')} must divide by {world} ranks")
-        width = max(self.bench_width)
-        require_fits(
-            "--batch --hidden --d-model --bench-batch --bench-width",
-            (self.batch + self.d_model) * self.hidden + (self.bench_batch + width) * width,
-            "the activations and weights of the MLP",
-        )
+        numel = (self.batch + self.d_model) * self.hidden + (self.bench_batch + max(self.bench_width)) * max(self.bench_width)  # fmt: skip
+        require_fits("--batch --hidden --d-model --bench-batch --bench-width", numel, "the MLP's activations and weights")  # fmt: skip
         if self.d_model % self.heads:
             raise UsageError(f"--d-model {self.d_model} must divide by --heads {self.heads}")
 

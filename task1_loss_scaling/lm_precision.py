@@ -12,9 +12,8 @@ show how far two correct runs drift apart: own Autocast's curve should stay with
 Logged to ``--out``/lm_precision.jsonl (variant = setup; ``config.kind`` says the record type):
 ``step`` (loss, accuracy, scale, skipped), ``final`` (held-out loss/accuracy, diverged flag,
 gaps to the reference), ``timing`` (one training step = forward + loss + scaled backward +
-unscale/skip check/optimizer step, and its gradient computation = the forward, loss and scaled
-backward within it, on one fixed (batch, max_length) batch, with the benchmark harness: setups
-alive side by side, one step per round with the start rotating, after a warm-up; median).
+unscale/skip check/optimizer step, and its gradient computation within it, on one fixed batch,
+with the benchmark harness: setups side by side, rotating rounds after a warm-up; median).
 
 A run whose training loss turns non-finite is stopped at the next check (every 25 steps) and
 marked diverged; the script goes on. Note for ``pure_fp16``: AdamW keeps its moments in fp16
@@ -124,12 +123,8 @@ class LMPrecisionConfig:
         if not self.static_scale > 0:
             raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
         rows = max([self.batch_size, *self.timing_batch_sizes])
-        require_fits(
-            "--batch-size --timing-batch-sizes --max-length --d-model --n-layers --synthetic-vocab",
-            rows * self.max_length * self.d_model * self.n_layers
-            + self.synthetic_vocab * self.d_model,
-            "a batch's activations and the embedding",
-        )
+        numel = rows * self.max_length * self.d_model * self.n_layers + self.synthetic_vocab * self.d_model  # fmt: skip
+        require_fits("--batch-size --timing-batch-sizes --max-length --d-model --n-layers --synthetic-vocab", numel, "a batch's activations and the embedding")  # fmt: skip
 
     @property
     def n_heads(self) -> int:

@@ -108,12 +108,8 @@ class UNetConfig:
             )
         if not self.static_scale > 0:
             raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
-        require_fits(
-            "--n-images --batch-size --size",
-            (self.n_images + self.batch_size) * 3 * self.size**2,
-            "the decoded images and a batch of them (a byte per value)",
-            bytes_per_element=1,
-        )
+        numel = (self.n_images + self.batch_size) * 3 * self.size**2
+        require_fits("--n-images --batch-size --size", numel, "the decoded images and a batch (a byte per value)", bytes_per_element=1)  # fmt: skip
         if self.workers is not None:
             require_positive(self, "workers")
 

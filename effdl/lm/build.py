@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from effdl.cli import UsageError
+from effdl.cli import UsageError, require_fits
 from effdl.models.llama import (
     PRESETS,
     Transformer,
@@ -87,3 +87,18 @@ def select_attention(backend: str) -> None:
     torch.backends.cuda.enable_cudnn_sdp(backend == "cudnn")
     torch.backends.cuda.enable_mem_efficient_sdp(backend == "efficient")
     torch.backends.cuda.enable_math_sdp(backend == "math")
+
+
+def check_llama_fits(
+    shape: TransformerModelArgs, vocab_size: int | None, batch_size: int, seq_len: int
+) -> None:
+    """UsageError naming the flags if the blocks' inputs saved for backward (bf16) and the
+    embedding of ``shape`` (vocabulary ``vocab_size`` or the preset's) would not fit the host's
+    free memory: a lower bound, checked before anything is allocated."""
+    vocab = vocab_size or shape.vocab_size
+    require_fits(
+        "--batch-size --sequence-length --vocab-size",
+        batch_size * seq_len * shape.dim * shape.n_layers + vocab * shape.dim,
+        "the blocks' inputs saved for backward (bf16) and the embedding",
+        bytes_per_element=2,
+    )
