@@ -55,10 +55,10 @@ from effdl.lm.processes import Dist, setup_distributed, teardown_distributed
 from effdl.lm.resume import flag_problem, resume_training, save_training
 from effdl.lm.throughput import PendingSteps, Rates, measured_bf16_ceiling, summarize
 from effdl.lm.tracing import add_profile_ranges, profiled
-from effdl.models.llama import PRESETS
+from effdl.models.llama import PRESETS, llama_train_flops_per_token
 from effdl.optim import warmup_cosine_lr
 from effdl.parallel import apply_activation_checkpointing, wrap_model
-from effdl.profiling.flops import llama_train_flops_per_token, peak_bf16_tflops
+from effdl.profiling.flops import peak_bf16_tflops
 from effdl.profiling.kernel_split import kernel_split, kind_shares, read_trace_events
 from effdl.profiling.timing import RegionTimer, take_peak_memory
 from effdl.results import RunLog

@@ -38,6 +38,7 @@ from effdl.cli import (
 )
 from effdl.data import pipeline_runs as runs
 from effdl.models.gpt_like import GPTLikeModel, config_from_sizes, matmul_flops_per_token
+from effdl.models.lm_objective import lm_inputs
 from effdl.profiling.epoch import EpochTiming, time_epoch
 from effdl.profiling.timing import TimingStats, benchmark
 
@@ -271,6 +272,7 @@ def time_pipelines(
             model.features,
             loader,
             run.device,
+            inputs_of=lm_inputs,
             precision=autocast,
             max_batches=cfg.max_batches,
             warmup_batches=cfg.warmup_batches,

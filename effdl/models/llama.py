@@ -371,3 +371,36 @@ def to_hf_config(args: TransformerModelArgs) -> LlamaConfig:
         attention_bias=False,
         mlp_bias=False,
     )
+
+
+def llama_matmul_params(args: TransformerModelArgs) -> int:
+    """Parameters of :class:`Transformer` that multiply activations in a GEMM:
+    every Linear weight, output head included. The input embedding (a lookup) and the norm
+    weights (elementwise) are left out."""
+    return count_parameters(args) - args.vocab_size * args.dim - (2 * args.n_layers + 1) * args.dim
+
+
+def llama_train_flops_per_token(
+    args: TransformerModelArgs, seq_len: int, causal: bool = True
+) -> float:
+    """Training FLOPs (forward + backward) per token of a Llama model on ``seq_len``-token rows.
+
+    ``6 N + attention``, N = :func:`llama_matmul_params`: a token costs 2 N in the forward GEMMs
+    and 4 N in the backward (gradients of activations and of weights). Attention scores and the
+    weighted sum of values are two more GEMMs per layer, 2·S·d FLOPs each per token in the
+    forward when every query meets all S keys, so 12·L·d·S for training
+    (L = n_layers, d = n_heads·head_dim = dim). Elementwise work (norms, RoPE, SiLU, softmax) and
+    flash attention's recomputation in the backward are not counted: MFU counts the model's
+    FLOPs, not the kernels'.
+
+    Conventions for the attention term: torchtitan (``12·L·H·Q·T``) and the PaLM paper's
+    appendix (``6N + 12·L·H·Q·T``) count the full S x S score matrix (``causal=False`` here), and
+    so does ``torch.utils.flop_counter.FlopCounterMode`` for ``is_causal=True`` attention (adding,
+    for the fused kernels, their recomputation of the scores in the backward). A causal mask leaves only half of it to compute, and causal kernels
+    skip the masked blocks: ``causal=True`` (the default) counts that half, ``6·L·d·S``. It is the
+    convention of FlashAttention's benchmarks and of the ``6N + 6·L·d·S`` Hugging Face baselines
+    this project's MFU is compared with. The two differ by 6·L·d·S per token: 5% of the 1b
+    preset's FLOPs at S = 2048, 10% at S = 4096.
+    """
+    attention = 12 * args.n_layers * args.dim * seq_len
+    return 6.0 * llama_matmul_params(args) + (attention / 2 if causal else attention)

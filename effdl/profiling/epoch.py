@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from effdl.models.lm_objective import lm_inputs
 from effdl.profiling.timing import RegionTimer, peak_memory
 
 
@@ -71,6 +70,7 @@ def time_epoch(
     loader: Iterable,
     device: torch.device,
     *,
+    inputs_of: Callable[[Any], Any],
     precision: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     max_batches: int | None = None,
     warmup_batches: int = 10,
@@ -79,8 +79,10 @@ def time_epoch(
     """Run ``forward(**model_kwargs)`` on the first ``warmup_batches`` batches of ``loader``
     (untimed), then time it on every batch of a fresh pass (at most ``max_batches``).
 
-    ``loader`` yields padded or packed batches (:func:`~effdl.models.lm_objective.lm_inputs`
-    reads them; their token counts are taken on the CPU batch, so counting needs no device
+    ``loader`` yields padded or packed batches, which ``inputs_of`` turns into model inputs
+    (``n_real_tokens``, ``n_slots``, ``model_kwargs``, ``to(device, ...)``, as
+    :func:`~effdl.models.lm_objective.lm_inputs` gives; their token counts are taken on the CPU
+    batch, so counting needs no device
     sync). Runs under ``torch.inference_mode()`` and ``precision()`` (e.g. an autocast
     factory); the labels stay on the host. ``progress`` shows a bar over the timed pass.
     Raises ``ValueError`` if the timed pass gets no batch.
@@ -89,7 +91,7 @@ def time_epoch(
         for i, batch in enumerate(loader):
             if i >= warmup_batches:
                 break
-            forward(**lm_inputs(batch).to(device, labels=False).model_kwargs)
+            forward(**inputs_of(batch).to(device, labels=False).model_kwargs)
         timer = RegionTimer(device)
         real = slots = 0
         widths: list[int] = []
@@ -107,7 +109,7 @@ def time_epoch(
                 if batch is None:
                     break
                 waits.append(t1 - t0)
-                inputs = lm_inputs(batch)
+                inputs = inputs_of(batch)
                 real += inputs.n_real_tokens
                 slots += inputs.n_slots
                 widths.append(inputs.model_kwargs["input_ids"].shape[1])

@@ -9,6 +9,7 @@ from effdl.data.packing import packed_loader
 from effdl.data.padding import PadCollator, UnpaddedDataset
 from effdl.data.tokenize import TokenizedCorpus
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
+from effdl.models.lm_objective import lm_inputs
 from effdl.profiling.epoch import EpochTiming, time_epoch
 
 CPU = torch.device("cpu")
@@ -70,7 +71,9 @@ def test_counts_equal_brute_force(kind, max_batches):
     else:
         loader = packed_loader([c[i] for i in range(len(c))], 32, 3, pad_id=0, method="bfd")
     forward = CountingForward(tiny_model())
-    timing = time_epoch(forward, loader, CPU, max_batches=max_batches, warmup_batches=0)
+    timing = time_epoch(
+        forward, loader, CPU, inputs_of=lm_inputs, max_batches=max_batches, warmup_batches=0
+    )
     real, slots, widths = brute_force(loader, max_batches)
     assert (timing.real_tokens, timing.slots, timing.widths) == (real, slots, widths)
     assert timing.n_batches == len(widths) == len(timing.batch_s)
@@ -83,7 +86,9 @@ def test_counts_equal_brute_force(kind, max_batches):
 def test_timed_batches_honour_warmup_and_max_batches(warmup, max_batches):
     loader = padded_loader(corpus(n=14))  # 4 batches, the last one short
     forward = CountingForward(tiny_model())
-    timing = time_epoch(forward, loader, CPU, max_batches=max_batches, warmup_batches=warmup)
+    timing = time_epoch(
+        forward, loader, CPU, inputs_of=lm_inputs, max_batches=max_batches, warmup_batches=warmup
+    )
     n_timed = len(loader) if max_batches is None else min(max_batches, len(loader))
     n_warm = min(warmup, len(loader))
     widths = brute_force(loader)[2]
@@ -94,7 +99,9 @@ def test_timed_batches_honour_warmup_and_max_batches(warmup, max_batches):
 
 
 def test_host_split_is_non_negative_and_within_the_epoch():
-    timing = time_epoch(CountingForward(tiny_model()), padded_loader(corpus()), CPU)
+    timing = time_epoch(
+        CountingForward(tiny_model()), padded_loader(corpus()), CPU, inputs_of=lm_inputs
+    )
     split = timing.host_split()
     assert set(split) == {"first_batch_s", "wait_s", "launch_s"}
     assert all(v >= 0 for v in split.values())
@@ -108,7 +115,7 @@ def test_host_split_is_non_negative_and_within_the_epoch():
 
 def test_empty_loader_is_an_error():
     with pytest.raises(ValueError, match="no batch"):
-        time_epoch(CountingForward(tiny_model()), [], CPU)
+        time_epoch(CountingForward(tiny_model()), [], CPU, inputs_of=lm_inputs)
 
 
 def test_epoch_timing_derived_fields():

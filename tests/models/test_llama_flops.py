@@ -10,12 +10,14 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from effdl.models.llama import PRESETS, Transformer, build_on_meta
-from effdl.profiling.flops import (
+from effdl.models.llama import (
+    PRESETS,
+    Transformer,
+    build_on_meta,
     llama_matmul_params,
     llama_train_flops_per_token,
-    peak_bf16_tflops,
 )
+from effdl.profiling.flops import peak_bf16_tflops
 
 CONFIGS = {
     "tiny": PRESETS["tiny"],
