@@ -100,3 +100,32 @@ def test_graph_covers_the_package():
 
 def test_no_import_cycle_among_effdl_modules():
     assert cycles(import_graph()) == []
+
+
+def runtime_imports(source: str) -> set[str]:
+    """Module names ``source`` imports outside ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(source)
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+        for n in ast.walk(block)
+    }
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_profiling_depends_on_nothing_above_it():
+    """effdl.profiling measures; models, data, training set-ups and the CLI build on it, not the
+    other way round (type-only imports aside)."""
+    allowed = ("effdl.profiling", "effdl.tables", "effdl.gc_pause", "effdl.results")
+    for path in (ROOT / "profiling").rglob("*.py"):
+        effdl_imports = {m for m in runtime_imports(path.read_text()) if m.startswith("effdl")}
+        assert all(m.startswith(allowed) for m in effdl_imports), (path.name, effdl_imports)

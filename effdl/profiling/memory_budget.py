@@ -8,8 +8,12 @@ mask d: about 36d bytes. A checkpointed block keeps only its 2d-byte input.
 
 from __future__ import annotations
 
-from effdl.models.gpt2 import GPT2Shape
+from typing import TYPE_CHECKING
+
 from effdl.profiling.timing import GIB
+
+if TYPE_CHECKING:  # the shape is read by attribute; profiling depends on no model at run time
+    from effdl.models.gpt2 import GPT2Shape
 
 ACT_BYTES_PER_TOKEN_LAYER = 36  # x d, see module docstring
 CKPT_BYTES_PER_TOKEN_LAYER = 2  # x d
