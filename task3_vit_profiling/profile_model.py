@@ -120,9 +120,9 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
 
 
 def endless(loader) -> Iterator:
-    """The loader's batches, pass after pass."""
+    """The loader's batches, pass after pass (an image that cannot be decoded: a UsageError)."""
     while True:
-        yield from loader
+        yield from vp.decoded_batches(loader)
 
 
 def stop_loader(batches: Iterator) -> None:

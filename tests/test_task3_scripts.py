@@ -2,6 +2,8 @@
 and a --quick epoch of each pipeline end to end on the CPU."""
 
 import dataclasses
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,12 @@ import pytest
 import torch
 
 from effdl.cli import UsageError
-from effdl.data.clothing import DeviceNormalize, fixed_transforms
+from effdl.data.clothing import (
+    DeviceNormalize,
+    fixed_transforms,
+    generate_clothing_like,
+    read_clothing_frame,
+)
 from effdl.results import read_records
 from effdl.vit_pipeline.profiling import agreement
 from tests.script_loading import load_script as load_task_script
@@ -130,10 +137,11 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("task3_cache")
 
 
-def run_script(*args, out: Path, cache: Path):
+def run_script(*args, out: Path, cache: Path, env: dict | None = None):
     argv = [sys.executable, str(TASK3 / "train.py"), "--quick", "--out", str(out),
             "--data-cache", str(cache), *args]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    env = {**os.environ, **(env or {})}
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("pipeline", vp.PIPELINES)
@@ -168,6 +176,28 @@ def test_bad_data_path_is_one_line_naming_it(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--data" in lines[0] and "nowhere does not exist" in lines[0]
     assert not (tmp_path / "vit_pipeline.jsonl").exists()  # a log appears with its first record
+
+
+@pytest.mark.parametrize(("pipeline", "workers"), [("as_given", "0"), ("fixed", "2")])
+def test_an_image_that_cannot_be_decoded_ends_the_run_in_one_line_naming_it(
+    pipeline, workers, tmp_path, data_cache
+):
+    """Random bytes in place of one JPEG, decoded in this process (--workers 0) or in a
+    DataLoader worker: exit 2, one line naming the file, no record."""
+    small = generate_clothing_like(data_cache / "small_30", 30, workers=1, min_side=48,
+                                   max_side=96)  # fmt: skip
+    root = shutil.copytree(small, tmp_path / "set")
+    names = read_clothing_frame(root)["image"]
+    bad = root / "images_original" / f"{names.iloc[len(names) // 2]}.jpg"
+    bad.write_bytes(bytes(range(256)) * 8)
+    out = tmp_path / "out"
+    res = run_script("--pipeline", pipeline, "--data", str(root), "--workers", workers,
+                     out=out, cache=data_cache, env={"TQDM_DISABLE": "1"})  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()  # progress bars off: stderr is the error alone
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"train.py: error: {bad}: cannot decode this image (")
+    assert not (out / "vit_pipeline.jsonl").exists()
 
 
 def test_a_folder_without_the_csv_is_a_usage_error(tmp_path):

@@ -41,6 +41,7 @@ import torchvision.transforms.functional as TF
 from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 
+from effdl.data.images import DECODE_ERRORS
 from effdl.data.process_pool import map_in_processes
 
 CSV_NAME, IMAGE_DIR = "images.csv", "images_original"
@@ -60,6 +61,25 @@ LABEL_COUNTS = {
 
 class ClothingLayoutError(ValueError):
     """The folder is not in the clothing-dataset-full layout; the message says what is wrong."""
+
+
+class ClothingFileError(ClothingLayoutError):
+    """An image that cannot be decoded; the message names the file, in one line, and ``path``
+    is that file.
+
+    Raised in a DataLoader worker it comes back to the main process as this class, rebuilt by
+    torch from one string: the message with the worker's traceback in front. The constructor
+    keeps only the original message (the traceback's last line), so the error stays one line
+    wherever the image was decoded.
+    """
+
+    def __init__(self, message: str) -> None:
+        message = str(message)
+        if "\n" in message.strip():  # torch's ExceptionWrapper.reraise: the traceback first
+            last = message.strip().splitlines()[-1]
+            message = last.partition(f"{type(self).__name__}: ")[2] or last
+        super().__init__(message)
+        self.path = Path(message.rpartition(DECODE_FAILED)[0])
 
 
 # ---- reading and splitting -------------------------------------------------------------------
@@ -115,6 +135,23 @@ def image_path(root: Path, name: str) -> Path:
     return root / IMAGE_DIR / f"{name}.jpg"
 
 
+DECODE_FAILED = ": cannot decode this image"  # the Carvana reader's wording
+
+
+def decode_rgb(path: Path, min_side: int | None = None) -> Image.Image:
+    """The image at ``path`` decoded whole, in RGB; with ``min_side``, at the JPEG decoder's
+    reduced scale (:func:`decode_reduced`). A file PIL cannot decode is a
+    :class:`ClothingFileError` naming it: the run stops at its first touch of a bad file."""
+    try:
+        with Image.open(path) as im:
+            if min_side is not None:
+                im.draft("RGB", (min_side, min_side))
+            return im.convert("RGB")  # decodes every pixel: a truncated file fails here
+    except DECODE_ERRORS as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ClothingFileError(f"{path}{DECODE_FAILED} ({reason})") from None
+
+
 # ---- the data path as given ------------------------------------------------------------------
 
 
@@ -144,7 +181,7 @@ class AsGivenClothingDataset(Dataset):
 
     def __getitem__(self, idx: int) -> tuple[torch.Tensor, int]:
         row = self.frame.loc[self.frame.index[idx]]
-        image = Image.open(image_path(self.root, row["image"])).convert("RGB")
+        image = decode_rgb(image_path(self.root, row["image"]))
         return self.transform(image), self.label_to_index[row["label"]]
 
 
@@ -185,10 +222,8 @@ def fixed_transforms(augmix: bool = True) -> tuple[Callable, Callable]:
 def decode_reduced(path: Path, min_side: int = RESIZE) -> Image.Image:
     """An RGB JPEG decoded at 1/1, 1/2, 1/4 or 1/8 scale: the smallest still >= ``min_side``
     per side (the decoder skips the discarded DCT coefficients, so a 3000 px photo decodes at
-    about 1/64 of the full cost)."""
-    with Image.open(path) as im:
-        im.draft("RGB", (min_side, min_side))
-        return im.convert("RGB")
+    about 1/64 of the full cost). A file that cannot be decoded is a :class:`ClothingFileError`."""
+    return decode_rgb(path, min_side)
 
 
 class ClothingDataset(Dataset):

@@ -29,6 +29,8 @@ from PIL import Image, ImageDraw, ImageFilter
 from effdl.data.process_pool import map_in_processes
 
 IMAGE_DIR, MASK_DIR, MASK_SUFFIX = "train", "train_masks", "_mask.gif"
+# What PIL raises for a file it cannot identify, a truncated stream or a corrupt one.
+DECODE_ERRORS = (OSError, ValueError, EOFError, SyntaxError, Image.DecompressionBombError)
 
 
 class CarvanaLayoutError(ValueError):
@@ -91,7 +93,7 @@ def _decode(path: Path, mode: str) -> Image.Image:
     try:
         with Image.open(path) as im:
             return im.convert(mode)  # decodes every pixel: a truncated file fails here
-    except (OSError, ValueError, EOFError, SyntaxError, Image.DecompressionBombError) as e:
+    except DECODE_ERRORS as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CarvanaFileError(f"{path}: cannot decode this image ({msg})") from None
 

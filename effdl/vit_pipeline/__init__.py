@@ -26,7 +26,13 @@ from effdl.vit_pipeline.config import (
     for_device,
     parse_config,
 )
-from effdl.vit_pipeline.data import ClothingData, input_transform, make_loaders, prepare_data
+from effdl.vit_pipeline.data import (
+    ClothingData,
+    decoded_batches,
+    input_transform,
+    make_loaders,
+    prepare_data,
+)
 from effdl.vit_pipeline.training import (
     BatchStats,
     PhaseResult,
@@ -47,6 +53,7 @@ __all__ = [
     "PipelineConfig",
     "Trainer",
     "build_trainer",
+    "decoded_batches",
     "for_device",
     "input_transform",
     "make_loaders",

@@ -4,7 +4,7 @@ split through the pipeline's Dataset, and what a batch goes through on the devic
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from effdl.cli import UsageError, require_path
 from effdl.data.clothing import (
     AsGivenClothingDataset,
     ClothingDataset,
+    ClothingFileError,
     ClothingLayoutError,
     DeviceNormalize,
     as_given_transforms,
@@ -86,6 +87,15 @@ def make_loaders(cfg: PipelineConfig, data: ClothingData) -> tuple[DataLoader, D
     if cfg.workers > 0:
         options["prefetch_factor"] = 4
     return DataLoader(train, shuffle=True, **options), DataLoader(val, **options)
+
+
+def decoded_batches(loader: DataLoader) -> Iterator:
+    """The loader's batches; an image that cannot be decoded, in this process or in a worker,
+    ends the run with a :class:`UsageError` naming the file (one line, at its first touch)."""
+    try:
+        yield from loader
+    except ClothingFileError as e:
+        raise UsageError(str(e)) from None
 
 
 def input_transform(

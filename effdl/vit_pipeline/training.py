@@ -18,7 +18,7 @@ from effdl.models.vit import PRESETS as MODEL_PRESETS
 from effdl.models.vit import ViT
 from effdl.profiling.timing import RegionTimer, peak_memory
 from effdl.vit_pipeline.config import PipelineConfig
-from effdl.vit_pipeline.data import input_transform
+from effdl.vit_pipeline.data import decoded_batches, input_transform
 
 
 @dataclass
@@ -134,8 +134,10 @@ class PhaseResult:
 
 
 def timed_batches(loader: DataLoader, waits: list[float], desc: str) -> Iterator:
-    """The loader's batches; the host time each ``next()`` took is appended to ``waits``."""
-    batches = iter(tqdm(loader, desc=desc, unit="batch", leave=False))
+    """The loader's batches (:func:`decoded_batches`); the host time each ``next()`` took is
+    appended to ``waits``."""
+    batches = iter(tqdm(decoded_batches(loader), desc=desc, unit="batch", leave=False,
+                        total=len(loader)))  # fmt: skip
     while True:
         start = time.perf_counter()
         batch = next(batches, None)

@@ -1,12 +1,15 @@
 """The Clothing data paths: the generated set's layout and determinism, layout errors, the split,
 and the fixed path against the path as given (labels, crop boxes, normalisation)."""
 
+import shutil
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 import torchvision.transforms as T
 from PIL import Image
+from torch.utils.data import DataLoader
 
 import effdl.data.clothing as clothing
 from effdl.data.clothing import (
@@ -15,6 +18,7 @@ from effdl.data.clothing import (
     AsGivenClothingDataset,
     CenterRandomResizedCrop,
     ClothingDataset,
+    ClothingFileError,
     ClothingLayoutError,
     DeviceNormalize,
     as_given_transforms,
@@ -108,6 +112,47 @@ def test_layout_errors_name_the_path_and_the_expectation(tmp_path, breakage, mes
     target = tmp_path / "nowhere" if breakage == "no_root" else root
     with pytest.raises(ClothingLayoutError, match=message):
         read_clothing_frame(target)
+
+
+def damaged_copy(small_set, tmp_path, damage: str):
+    """A copy of the small set whose first image is random bytes or cut in half; its path."""
+    root = shutil.copytree(small_set, tmp_path / "set")
+    path = root / "images_original" / f"{read_clothing_frame(root)['image'].iloc[0]}.jpg"
+    if damage == "random_bytes":
+        path.write_bytes(np.random.default_rng(0).bytes(2000))
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return root, path
+
+
+def datasets(root):
+    frame = read_clothing_frame(root)
+    transform = fixed_transforms()[1]
+    return [AsGivenClothingDataset(root, frame, as_given_transforms()[1]),
+            ClothingDataset(root, frame, class_names(frame), transform)]  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", ["random_bytes", "truncated"])
+def test_an_image_that_cannot_be_decoded_is_an_error_naming_it(small_set, tmp_path, damage):
+    root, path = damaged_copy(small_set, tmp_path, damage)
+    for dataset in datasets(root):
+        with pytest.raises(ClothingFileError) as e:
+            dataset[0]
+        assert isinstance(e.value, ClothingLayoutError)  # the class callers already catch
+        assert e.value.path == path and str(e.value).startswith(f"{path}: cannot decode")
+        assert len(str(e.value).splitlines()) == 1
+        assert dataset[1][0].shape == (3, 224, 224)  # the others still load
+
+
+def test_a_worker_that_cannot_decode_raises_the_same_one_line_error(small_set, tmp_path):
+    """DataLoader re-raises a worker's exception as its class, built from a message with the
+    worker's traceback in front: the error keeps only its own line and the file."""
+    root, path = damaged_copy(small_set, tmp_path, "random_bytes")
+    for dataset in datasets(root):
+        with pytest.raises(ClothingFileError) as e:
+            next(iter(DataLoader(dataset, batch_size=4, num_workers=1)))
+        assert e.value.path == path and len(str(e.value).splitlines()) == 1
+        assert str(e.value).startswith(f"{path}: cannot decode this image (")
 
 
 def test_split_is_a_seeded_80_20_partition(small_set):
