@@ -191,7 +191,7 @@ class CPUOffloadAdam:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         self.param_groups = _make_groups(params, defaults)
         first = self.param_groups[0]["params"][0]
-        self.device = torch.device(device) if device is not None else first.device
+        self.device = _check_device(device if device is not None else first.device)
         self._cuda = self.device.type == "cuda"
         self._on_device = update_on == "device"
         self._grads_stay_on_device = self._on_device and self._cuda and grad_accumulation == "gpu"
@@ -298,9 +298,10 @@ class CPUOffloadAdam:
         loss scaling) and must be the same for every micro-batch of a step.
         """
         if scale is not None:
-            if self._scale is not None and self._scale != float(scale):
+            scale = _check_scale(scale)
+            if self._scale is not None and self._scale != scale:
                 raise ValueError("scale changed between micro-batches of one optimizer step")
-            self._scale = float(scale)
+            self._scale = scale
             loss = loss * self._scale
         self._final = final
         try:
@@ -553,7 +554,7 @@ class CPUOffloadAdam:
         ordered before any later work on the current CUDA stream.
         """
         if scale is not None:
-            self._scale = float(scale)
+            self._scale = _check_scale(scale)
         self._flush_reported(update=False)
         self.found_inf = False
         if self._scale is not None:
@@ -669,7 +670,7 @@ class CPUOffloadAdam:
         arguments (hyper-parameters, tensor shapes, step counts) before anything is changed: a
         bad one raises ValueError naming the entry and leaves the optimizer as it was.
         """
-        groups = state_dict["param_groups"]
+        groups = self._check_state_kind(state_dict)
         if len(groups) != len(self.param_groups) or any(
             len(a["params"]) != len(g["params"])
             for a, g in zip(groups, self.param_groups, strict=True)
@@ -711,6 +712,39 @@ class CPUOffloadAdam:
             self._copy_back(b, list(range(len(b.params))))
             if self._cuda and b.h2d_done is not None:
                 torch.cuda.current_stream(self.device).wait_event(b.h2d_done)
+
+    def _check_state_kind(self, state_dict: Any) -> list[dict[str, Any]]:
+        """``state_dict``'s param groups, once it is known to be an Adam state of this
+        optimizer's kind: a dict of ``state`` and ``param_groups`` whose groups hold Adam's
+        hyper-parameters, with decoupled weight decay as this optimizer has it (AdamW's state
+        into an Adam, or the reverse, is a ValueError) and no amsgrad or maximize."""
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"state_dict must be a dict of 'state' and 'param_groups', got {got}")
+        groups = state_dict["param_groups"]
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise ValueError("state_dict['param_groups'] must be a list of dicts")
+        for j, g in enumerate(groups):
+            missing = [k for k in (*_GROUP_DEFAULT_KEYS, "params") if k not in g]
+            if missing:
+                raise ValueError(
+                    f"state_dict param_groups[{j}] lacks {missing}: not the state of an Adam "
+                    f"optimizer (keys {sorted(g)}), cannot load it into {name}"
+                )
+            decoupled = g.get("decoupled_weight_decay", self.adamw)
+            if bool(decoupled) != self.adamw:
+                saved = "AdamW" if decoupled else "Adam"
+                raise ValueError(
+                    f"state_dict param_groups[{j}] is {saved}'s (decoupled_weight_decay="
+                    f"{decoupled}); {name} is {'AdamW' if self.adamw else 'Adam'}"
+                )
+            for flag in ("amsgrad", "maximize"):
+                if g.get(flag):
+                    raise ValueError(f"state_dict param_groups[{j}] has {flag}=True: unsupported")
+        if not isinstance(state_dict["state"], dict):
+            raise ValueError("state_dict['state'] must be a dict of parameter index to state")
+        return groups
 
     def moment_nbytes(self) -> int:
         """Host bytes held by the Adam moments (both; alignment padding included)."""
@@ -810,10 +844,55 @@ def _hyper(group: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device the optimizer can work on: the CPU, or a CUDA device that
+    exists here (its copy streams need one); a ValueError naming ``device`` otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: cannot parse {device!r} ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device must be the CPU or a CUDA device (the working weights' copies run on CUDA "
+            f"streams), got {dev}"
+        )
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {dev}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {dev}: this machine has {count} CUDA device(s)")
+    return dev
+
+
+def _check_scale(scale: float | Tensor) -> float:
+    """The loss scale as a float; a ValueError naming ``scale`` unless it is finite and > 0
+    (the gradients are divided by it)."""
+    if isinstance(scale, Tensor):
+        if scale.numel() != 1:
+            raise ValueError(
+                f"scale must be one number, got a tensor of shape {tuple(scale.shape)}"
+            )
+        scale = scale.item()
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"scale must be a number, got {scale!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be finite and > 0, got {value}")
+    return value
+
+
 def _check_param_state(s: dict[str, Any] | None, idx: int, p: Tensor) -> None:
     """ValueError unless ``s`` (one entry of a saved ``state``, or None) fits parameter ``p``."""
     if s is None:
         return
+    if not isinstance(s, dict):
+        raise ValueError(f"state_dict['state'][{idx}] must be a dict, got {type(s).__name__}")
+    if "step" not in s:
+        raise ValueError(
+            f"state_dict['state'][{idx}] lacks 'step': not an Adam state (keys {sorted(s)})"
+        )
     if "exp_avg_codes" in s:
         n = p.numel()
         code_shape, absmax_shape = torch.Size([n]), torch.Size([num_blocks(n)])

@@ -274,6 +274,43 @@ def test_bad_arguments_are_rejected(kwargs: dict, match: str) -> None:
         CPUOffloadAdam(nn.Linear(2, 2).parameters(), **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("device", "match"),
+    [
+        ("meta", r"device must be the CPU or a CUDA device .*got meta"),
+        ("cuda:64", r"device cuda:64: (CUDA is not available|this machine has \d+ CUDA)"),
+        ("gpu", r"device: cannot parse 'gpu'"),
+    ],
+)
+def test_a_device_the_optimizer_cannot_work_on_is_refused(device: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CPUOffloadAdam(nn.Linear(2, 2).parameters(), device=device)
+
+
+def test_parameters_on_the_meta_device_are_refused_without_a_device() -> None:
+    with pytest.raises(ValueError, match="device must be the CPU or a CUDA device"):
+        CPUOffloadAdam(nn.Linear(2, 2, device="meta").parameters())
+
+
+@pytest.mark.parametrize(
+    "scale", [0.0, -1.0, float("nan"), float("inf"), torch.tensor(0.0), torch.ones(2), "x"]
+)
+@pytest.mark.parametrize("where", ["backward", "step"])
+def test_a_loss_scale_that_is_not_finite_and_positive_is_refused(scale, where) -> None:
+    lin = nn.Linear(2, 2)
+    opt = CPUOffloadAdam(lin.parameters(), working_dtype=torch.float32)
+    before = [p.detach().clone() for p in lin.parameters()]
+    loss = lin(torch.ones(1, 2)).sum()
+    with pytest.raises(ValueError, match=r"^scale must be"):
+        if where == "backward":
+            opt.backward(loss, final=True, scale=scale)
+        else:
+            opt.backward(loss)  # not final: no bucket is updated inside backward
+            opt.step(scale=scale)
+    assert all(torch.equal(a, b) for a, b in zip(before, lin.parameters(), strict=True))
+    opt.close()
+
+
 def test_bad_params_are_rejected() -> None:
     with pytest.raises(ValueError, match="empty"):
         CPUOffloadAdam([])
@@ -297,6 +334,55 @@ def test_load_state_dict_rejects_mismatch() -> None:
         opt.load_state_dict({"state": {}, "param_groups": []})
     opt.close()
     other.close()
+
+
+def test_load_state_dict_refuses_another_optimizers_state() -> None:
+    """Another optimizer class's state (SGD's, AdamW's into Adam and back) or no state dict at
+    all: a ValueError naming what differs, before anything changes."""
+    lin = nn.Linear(2, 2)
+    sgd = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
+    lin(torch.ones(1, 2)).sum().backward()
+    sgd.step()
+    adamw = torch.optim.AdamW(lin.parameters())
+    adamw.step()
+    opt = CPUOffloadAdam(nn.Linear(2, 2).parameters(), working_dtype=torch.float32)
+    opt_w = CPUOffloadAdamW(nn.Linear(2, 2).parameters(), working_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] lacks \['betas', 'eps'\]: not the "
+                       r"state of an Adam optimizer .*into CPUOffloadAdam"):  # fmt: skip
+        opt.load_state_dict(sgd.state_dict())
+    with pytest.raises(ValueError, match=r"param_groups\[0\] is AdamW's .*CPUOffloadAdam is Adam"):
+        opt.load_state_dict(adamw.state_dict())
+    adam = torch.optim.Adam(lin.parameters())
+    adam.step()
+    with pytest.raises(ValueError, match=r"is Adam's \(decoupled_weight_decay=False\); "
+                       r"CPUOffloadAdamW is AdamW"):  # fmt: skip
+        opt_w.load_state_dict(adam.state_dict())
+    opt_w.load_state_dict(adamw.state_dict())  # torch's AdamW state loads into ours
+    amsgrad = torch.optim.Adam(lin.parameters(), amsgrad=True).state_dict()
+    with pytest.raises(ValueError, match="amsgrad=True: unsupported"):
+        opt.load_state_dict(amsgrad)
+    for bad, match in (([], "must be a dict of 'state' and 'param_groups', got list"),
+                       ({"state": {}}, r"got \['state'\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(bad)
+    opt.close()
+    opt_w.close()
+
+
+def test_load_state_dict_names_the_first_state_that_does_not_fit() -> None:
+    """Two mismatched entries: the error names the first, in parameter order."""
+    opt = _stepped_linear()
+    state = opt.state_dict()
+    state["state"][0]["exp_avg"] = torch.zeros(3, 2)
+    state["state"][1]["master"] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"^state_dict\['state'\]\[0\]\['exp_avg'\] has shape "
+                       r"\(3, 2\), parameter has \(2, 3\)$"):  # fmt: skip
+        opt.load_state_dict(state)
+    state = opt.state_dict()
+    del state["state"][1]["step"]
+    with pytest.raises(ValueError, match=r"\['state'\]\[1\] lacks 'step': not an Adam state"):
+        opt.load_state_dict(state)
+    opt.close()
 
 
 def _stepped_linear() -> CPUOffloadAdam:
