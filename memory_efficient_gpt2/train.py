@@ -49,14 +49,23 @@ import time
 import torch
 from tqdm import tqdm
 
-from effdl.cli import UsageError, base_parser, print_table, run_main, start_run
+from effdl.cli import (
+    UsageError,
+    base_parser,
+    device_from_arg,
+    print_table,
+    run_main,
+    start_run,
+)
 from effdl.gpt2_offload.budget import (
     budget_metrics,
     measure_activation_bytes,
+    offload_options,
     optimizer_gpu_gib,
     pick_checkpoint_layers,
+    require_run_fits,
 )
-from effdl.gpt2_offload.config import ACCUMULATOR_DTYPES, TrainConfig, parse_train_args
+from effdl.gpt2_offload.config import TrainConfig, parse_train_args
 from effdl.gpt2_offload.inputs import (
     initial_model,
     lr_at,
@@ -90,7 +99,6 @@ TASK = "gpt2"
 TIMELINE_KINDS = ("gpu_compute", "d2h", "h2d", "cpu_update", "cpu_accumulate", "step_wait")
 TABLE_COLUMNS = ("step", "loss", "seq_per_s", "peak_gib", "host_rss_gib", "gpu_compute_s",
                  "d2h_s", "h2d_s", "cpu_update_s", "step_wait_s")  # fmt: skip
-BUCKET_NUMEL = 2**25  # parameters per optimizer bucket (a larger tensor gets its own)
 
 
 def resolve_cpu_threads(requested: int | None) -> int:
@@ -103,14 +111,7 @@ def build_optimizer(
 ) -> tuple[CPUOffloadAdam, OffloadPlan]:
     """CPUOffloadAdam over ``model``'s parameters as ``cfg`` asks, and the plan of what it
     allocates (effdl.optim.plan_offload with the same arguments)."""
-    options = {
-        "working_dtype": torch.bfloat16,
-        "grad_accumulation": cfg.grad_accumulation,
-        "grad_accumulation_dtype": ACCUMULATOR_DTYPES[cfg.grad_accumulation_dtype],
-        "moments": cfg.moments,
-        "update_on": cfg.update_on,
-        "bucket_numel": BUCKET_NUMEL,
-    }
+    options = offload_options(cfg)
     plan = plan_offload([p.numel() for p in model.parameters()], **options)
     opt = CPUOffloadAdam(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, device=device,
@@ -280,6 +281,8 @@ def main() -> None:
     use_expandable_segments()
     # Every input is checked before the log is opened: a refused run leaves no record.
     model_config = model_folder_config(cfg.model_path, cfg.size, cfg.seq) or gpt2_config(cfg.size)
+    device = device_from_arg("cpu" if args.quick and args.device == "auto" else args.device)
+    require_run_fits(cfg, model_config, device)  # before the data and the model are made
     batches, data = make_batches(cfg, model_config.vocab_size, args.seed)
     run = start_run(args, task=TASK, logs="gpt2.jsonl")
     if cfg.update_on == "device" and run.device.type != "cuda":

@@ -10,9 +10,16 @@ import sys
 import pytest
 import torch
 
+import effdl.gpt2_offload.budget as budget
 from effdl.cli import UsageError, base_parser, run_main
 from effdl.gpt2_offload.budget import gpu_estimate, optimizer_gpu_gib, pick_checkpoint_layers
-from effdl.gpt2_offload.config import ACCUMULATOR_DTYPES, LEVELS, TrainConfig, parse_train_args
+from effdl.gpt2_offload.config import (
+    ACCUMULATOR_DTYPES,
+    LEVELS,
+    QUICK,
+    TrainConfig,
+    parse_train_args,
+)
 from effdl.gpt2_offload.steps import MemoryCapExceeded, check_memory_caps
 from effdl.models.gpt2 import build_gpt2, gpt2_config
 from effdl.optim import plan_offload
@@ -48,8 +55,8 @@ def parsed(argv, monkeypatch):
         (["--moments", "int8", "--update-on", "device"], "--update-on device runs the 8-bit "
          "Adam step on the GPU: it needs --device cuda (this run is on cpu)"),
         (["--host-memory-cap-gib", "0"], "--host-memory-cap-gib must be > 0, got 0.0"),
-        (["--level", "3", "--size", "tiny"], "--update-on device runs the 8-bit Adam step on "
-         "the GPU: it needs --device cuda"),
+        (["--moments", "int8", "--update-on", "device", "--size", "tiny"], "--update-on device "
+         "runs the 8-bit Adam step on the GPU: it needs --device cuda"),
         (["--grad-accumulation", "cpu", "--grad-accumulation-dtype", "bf16"],
          "--grad-accumulation-dtype bf16 is the GPU accumulator's dtype: it needs "
          "--grad-accumulation gpu"),
@@ -82,6 +89,64 @@ def test_level_presets_resolve_as_stated_and_given_flags_win(monkeypatch):
     given = parsed(["--level", "3", "--memory-cap-gib", "12", "--update-on", "host"], monkeypatch)
     assert (given.memory_cap_gib, given.update_on, given.moments) == (12.0, "host", "int8")
     assert (given.batch, given.seq) == (64, 1024)  # 64 x 1024 tokens per step
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """A refused run must stop before its data and its model are made."""
+
+    def built(*args, **kwargs):
+        raise AssertionError("the run was not refused before building")
+
+    monkeypatch.setattr(train, "make_batches", built)
+    monkeypatch.setattr(train, "initial_model", built)
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+@pytest.mark.parametrize("device", [[], ["--device", "cpu"]])
+def test_a_level_off_a_gpu_is_refused_up_front(
+    level, device, tmp_path, monkeypatch, capsys, nothing_built
+):
+    if torch.cuda.is_available() and not device:
+        pytest.skip("--device auto is CUDA here")
+    argv = ["--level", str(level), *device]
+    code, err = run_train(argv, tmp_path / "out", monkeypatch, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (
+        f"train.py: error: --level {level} is a GPU preset (peak GPU memory under "
+        f"--memory-cap-gib {LEVELS[level]['memory_cap_gib']:g}): it needs --device cuda "
+        "(this run is on cpu)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_the_host_cannot_hold_is_refused_naming_the_estimate(
+    tmp_path, monkeypatch, capsys, nothing_built
+):
+    import psutil
+
+    available = psutil.virtual_memory()._replace(available=2**20)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: available)
+    code, err = run_train(["--size", "tiny"], tmp_path / "out", monkeypatch, capsys)
+    assert code == 2 and len(err) == 1, err
+    plan = plan_offload(budget.param_numels(gpt2_config("tiny")), **budget.offload_options(QUICK))
+    need = budget.host_bytes_needed(plan, torch.device("cpu"))
+    assert err[0] == (
+        "train.py: error: --size --moments --update-on: GPT-2-tiny's fp32 model and offloaded "
+        f"optimizer state (plan_offload) needs at least {need / 2**30:,.1f} GiB, the host has "
+        "0.0 GiB free"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_host_bytes_are_the_plans_and_the_fp32_model(xl_numels):
+    """Level 1 on a GPU: 18 B per parameter of the optimizer on the host (fp32 master and
+    moments, the gradient copy, the bf16 staging) and the fp32 model built first; on the CPU the
+    device's bf16 weights and fp32 accumulator are the host's too."""
+    plan = xl_plan(xl_numels, parsed_level(1))
+    assert budget.host_bytes_needed(plan, torch.device("cuda", 0)) == 22 * XL_PARAMS
+    assert budget.host_bytes_needed(plan, torch.device("cpu")) == 28 * XL_PARAMS
+    assert budget.param_numels(gpt2_config("xl")) == xl_numels
 
 
 def parsed_level(level: int, **flags) -> TrainConfig:

@@ -1,7 +1,8 @@
 """The GPU and host memory of an offloaded GPT-2 run, estimated before it trains: the model's
 share (effdl.profiling.memory_budget) plus the optimizer's own buffers
-(:func:`effdl.optim.plan_offload`), the checkpointed blocks that make it fit the cap, and the
-activation bytes measured on the GPU that sharpen the estimate."""
+(:func:`effdl.optim.plan_offload`), the checkpointed blocks that make it fit the cap, the
+activation bytes measured on the GPU that sharpen the estimate, and the check that the host
+can hold the run at all (:func:`require_run_fits`), made before anything is allocated."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import math
 
 import torch
 
-from effdl.cli import UsageError
-from effdl.gpt2_offload.config import TrainConfig
-from effdl.models.gpt2 import SHAPES, lm_loss
-from effdl.optim import CPUOffloadAdam, OffloadPlan
+from effdl.cli import UsageError, require_memory
+from effdl.gpt2_offload.config import ACCUMULATOR_DTYPES, TrainConfig
+from effdl.models.gpt2 import SHAPES, build_gpt2, lm_loss
+from effdl.optim import CPUOffloadAdam, OffloadPlan, plan_offload
 from effdl.profiling.memory_budget import (
     ACT_BYTES_PER_TOKEN_LAYER,
     fewest_checkpointed_blocks,
@@ -23,6 +24,55 @@ from effdl.profiling.timing import GIB
 # memory_budget counts the model's share only: the optimizer's own GPU buffers (accumulator in
 # its dtype, device-update scratch) come from the OffloadPlan
 WITHOUT_OPTIMIZER_BUFFERS = "none"
+BUCKET_NUMEL = 2**25  # parameters per optimizer bucket (a larger tensor gets its own)
+
+
+def offload_options(cfg: TrainConfig) -> dict:
+    """The CPUOffloadAdam keywords of ``cfg`` (what plan_offload takes too)."""
+    return {
+        "working_dtype": torch.bfloat16,
+        "grad_accumulation": cfg.grad_accumulation,
+        "grad_accumulation_dtype": ACCUMULATOR_DTYPES[cfg.grad_accumulation_dtype],
+        "moments": cfg.moments,
+        "update_on": cfg.update_on,
+        "bucket_numel": BUCKET_NUMEL,
+    }
+
+
+def param_numels(model_config) -> list[int]:
+    """The sizes of the parameters of the GPT-2 of ``model_config`` (a GPT2Config), from the
+    model built on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        model = build_gpt2(model_config)
+    return [p.numel() for p in model.parameters()]
+
+
+def host_bytes_needed(plan: OffloadPlan, device: torch.device) -> int:
+    """Host bytes an offloaded run holds at least: the plan's host buffers, its device buffers
+    too where the device is the CPU, and the fp32 model the run builds on the host before the
+    optimizer takes its weights over."""
+    fp32_model = next(b.bytes for b in plan.buffers if b.state == "master_weights")
+    on_host = plan.bytes_on("host") + (plan.bytes_on("gpu") if device.type == "cpu" else 0)
+    return on_host + fp32_model
+
+
+def require_run_fits(cfg: TrainConfig, model_config, device: torch.device) -> OffloadPlan:
+    """Refuse, in one line and before anything is allocated, a run this machine cannot hold:
+    a ``--level`` preset (a GPU memory target) off a CUDA device, or a run whose host bytes
+    (:func:`host_bytes_needed` of its plan) exceed the host's available memory. Returns the
+    plan."""
+    if cfg.level is not None and device.type != "cuda":
+        raise UsageError(
+            f"--level {cfg.level} is a GPU preset (peak GPU memory under --memory-cap-gib "
+            f"{cfg.memory_cap_gib:g}): it needs --device cuda (this run is on {device})"
+        )
+    plan = plan_offload(param_numels(model_config), **offload_options(cfg))
+    need = host_bytes_needed(plan, device)
+    require_memory(
+        "--size --moments --update-on", need, "cpu",
+        f"GPT-2-{cfg.size}'s fp32 model and offloaded optimizer state (plan_offload)",
+    )  # fmt: skip
+    return plan
 
 
 def measure_activation_bytes(
