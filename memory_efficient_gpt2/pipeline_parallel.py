@@ -22,7 +22,8 @@ its own ranks (effdl.parallel.launch.spawn); with
 ``--threads`` intra-op threads each (default: an equal share of the cores) and their own block
 of cores; a reference on the CPU takes the threads of one rank (the thread count decides how a
 product's sums are split, hence how they round). Per step: loss and step time (that of the last
-rank to finish). Per run, over the last ``--timed-steps`` steps (the earlier ones are warm-up):
+rank to finish), written by rank 0 as soon as the step is measured, so an interrupted run
+keeps its steps. Per run, over the last ``--timed-steps`` steps (the earlier ones are warm-up):
 the median step time, the bubble fraction measured (compute time per action against the step's
 wall time) beside the formula, each stage's compute time per micro-batch and the time of one
 activation message (so the reader sees that messages are small against compute), the
@@ -52,6 +53,7 @@ from effdl.parallel.pipeline_training import (
     BACKENDS,
     DTYPES,
     PipelineConfig,
+    StepLog,
     load_data,
     reference_run,
     run_ranks,
@@ -124,27 +126,29 @@ def main(argv: list[str] | None = None) -> None:
             # thread count of one rank to round as the ranks do.
             torch.set_num_threads(cpu_threads(cfg.stages, cfg.threads))
         variant = "reference_accumulated" if cfg.accumulate else "reference"
-        log_training(run, cfg, variant, [reference_run(cfg, run.device)])
+        result = reference_run(cfg, run.device, step_log(run, cfg, variant))
+        log_training(run, cfg, variant, [result])
         return
     if "LOCAL_RANK" not in os.environ:
         # The ranks are forked from here, and a child forked after this process ran an
         # OpenMP-parallel kernel hangs in its first one (libgomp's pool does not survive fork).
         torch.set_num_threads(1)
-    results = run_ranks(cfg)
+    variant = f"torch_{cfg.schedule}" if cfg.compare_torch else cfg.schedule
+    results = run_ranks(cfg, step_log(run, cfg, variant) if run and not cfg.long else None)
     if run is None:
         return
     if cfg.long:
         log_long(run, cfg, results)
-    elif cfg.compare_torch:
-        log_training(run, cfg, f"torch_{cfg.schedule}", results, loss_rank=-1)
     else:
-        log_training(run, cfg, cfg.schedule, results)
+        log_training(run, cfg, variant, results, loss_rank=-1 if cfg.compare_torch else 0)
 
 
-def run_config(run: Run, cfg: PipelineConfig, results: list[dict]) -> dict:
-    """Every flag of the run, the data, the host, and the CPU share of each rank (of the
-    reference on the CPU: its intra-op threads)."""
-    config = {**dataclasses.asdict(cfg), "data": results[0]["source"], "where": run.where}
+def run_config(
+    run: Run, cfg: PipelineConfig, source: str | None, cores: list[list[int]] | None
+) -> dict:
+    """Every flag of the run, the data (``source``), the host, and the CPU share of each rank
+    (``cores``: each rank's CPU cores; of the reference on the CPU: its intra-op threads)."""
+    config = {**dataclasses.asdict(cfg), "data": source, "where": run.where}
     if cfg.reference:
         if run.device.type == "cpu":
             config |= {"cores_available": available_cores(), "cpu_threads": torch.get_num_threads()}
@@ -152,9 +156,21 @@ def run_config(run: Run, cfg: PipelineConfig, results: list[dict]) -> dict:
         config |= {
             "cores_available": available_cores(),
             "threads_per_rank": cpu_threads(cfg.stages, cfg.threads),
-            "cores_per_rank": [r["cpu_cores"] for r in results],
+            "cores_per_rank": cores,
         }
     return config
+
+
+def results_config(run: Run, cfg: PipelineConfig, results: list[dict]) -> dict:
+    """:func:`run_config` with the data and cores the ranks report."""
+    cores = [r["cpu_cores"] for r in results] if "cpu_cores" in results[0] else None
+    return run_config(run, cfg, results[0]["source"], cores)
+
+
+def step_log(run: Run, cfg: PipelineConfig, variant: str) -> StepLog:
+    """Where each step's record goes as it is measured; the ranks fill in the data and their
+    cores (a run's config is the same in every record)."""
+    return StepLog(run.log, variant, run_config(run, cfg, None, None))
 
 
 def message_bytes(cfg: PipelineConfig) -> int:
@@ -165,11 +181,10 @@ def message_bytes(cfg: PipelineConfig) -> int:
 def log_training(
     run: Run, cfg: PipelineConfig, variant: str, results: list[dict], loss_rank: int = 0
 ) -> None:
-    """One record per step (loss, step time) and a summary over the last ``timed_steps``."""
-    config = run_config(run, cfg, results)
+    """The summary over the last ``timed_steps`` (each step's record, loss and step time, is
+    written as the step is measured)."""
+    config = results_config(run, cfg, results)
     steps = slowest_rank_steps([r["steps"] for r in results], loss_rank)
-    for row in steps:
-        run.log.log(variant, config, row)
     timed = steps[-cfg.timed_steps :]
     summary = {
         "final_loss": steps[-1]["loss"],
@@ -199,7 +214,7 @@ def log_training(
 
 def log_long(run: Run, cfg: PipelineConfig, results: list[dict]) -> None:
     """One record per micro-batch count: every rank's peak memory and activations in flight."""
-    config = run_config(run, cfg, results)
+    config = results_config(run, cfg, results)
     rows = []
     for k, m in enumerate(cfg.long_micro_batches):
         per_rank = [r["counts"][k] for r in results]

@@ -7,7 +7,9 @@ is that of single-process training with gradient accumulation (:func:`reference_
 ``accumulate``). Ranks start as local processes (:func:`effdl.parallel.launch.spawn`) or under
 torchrun (:func:`run_ranks`); with NCCL rank r uses GPU ``r % device_count`` (ranks may share a
 GPU). Every rank returns a dict of its measurements; the peak memory is that of the rank's
-process (RSS sampled on the CPU, ``max_memory_allocated`` on a GPU).
+process (RSS sampled on the CPU, ``max_memory_allocated`` on a GPU). Each step's record (loss,
+step time of the slowest rank) is written by rank 0 as soon as every rank has measured the step
+(:class:`StepLog`), so an interrupted run keeps the steps it made.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch._dynamo  # (optimizers import it, seconds: once here, not in every fork)
@@ -33,8 +36,9 @@ from effdl.parallel.pipeline import (
     accumulated_backward,
     split_sequential,
 )
-from effdl.parallel.pipeline_measure import action_seconds, message_seconds
+from effdl.parallel.pipeline_measure import action_seconds, message_seconds, slowest_rank_steps
 from effdl.profiling.timing import peak_memory, synchronize
+from effdl.results import RunLog
 
 Group = dist.ProcessGroup | None
 BACKENDS = ("gloo", "nccl")
@@ -136,6 +140,51 @@ class PipelineConfig:
             )
 
 
+@dataclass(frozen=True)
+class StepLog:
+    """Where rank 0 (or the reference) writes each step's record as it is measured: ``log``,
+    the record's ``variant``, and its ``config``, whose ``data`` and ``cores_per_rank`` (where
+    it has that key) the ranks fill in (:meth:`completed`) once they know them."""
+
+    log: RunLog
+    variant: str
+    config: dict[str, Any]
+
+    def completed(
+        self, *, source: str | None = None, cores: list[list[int]] | None = None
+    ) -> StepLog:
+        config = dict(self.config)
+        if source is not None:
+            config["data"] = source
+        if cores is not None and "cores_per_rank" in config:
+            config["cores_per_rank"] = cores
+        return replace(self, config=config)
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.log.log(self.variant, self.config, row)
+
+
+def report_step(
+    row: dict[str, Any],
+    rank: int,
+    world: int,
+    control: Group,
+    step_log: StepLog | None,
+    loss_rank: int = 0,
+) -> None:
+    """Rank 0 gathers every rank's ``{"step", "loss", "step_s"}`` of one step and writes the
+    step's record (rank ``loss_rank``'s loss, the slowest rank's time: ``slowest_rank_steps``);
+    called by every rank after the timed region. Float64 carries each float exactly."""
+    mine = torch.tensor([row["loss"], row["step_s"]], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
+    dist.gather(mine, rows, dst=0, group=control)
+    if rank == 0 and step_log is not None:
+        per_rank = [
+            [{"step": row["step"], "loss": r[0].item(), "step_s": r[1].item()}] for r in rows
+        ]
+        step_log.write(slowest_rank_steps(per_rank, loss_rank)[0])
+
+
 def load_data(cfg: PipelineConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Training rows (flattened, float32), labels, and the data's name: scikit-learn's digits,
     CIFAR-10 from ``--data``, or effdl.data.digits' generated stand-in (see its docs)."""
@@ -166,10 +215,17 @@ def build_stage(cfg: PipelineConfig, rank: int, features: int, device: torch.dev
 
 
 def train_rank(
-    rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
+    rank: int,
+    world: int,
+    cfg: PipelineConfig,
+    device: torch.device,
+    control: Group,
+    step_log: StepLog | None = None,
 ) -> dict:
-    """Train through the pipeline; every rank returns its measurements (each has the losses)."""
+    """Train through the pipeline; every rank returns its measurements (each has the losses),
+    and rank 0 writes each step's record to ``step_log`` as it goes (:func:`report_step`)."""
     x, y, source = load_data(cfg)
+    step_log = step_log.completed(source=source) if step_log is not None else None
     x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
     stage, optimizer = build_stage(cfg, rank, x.shape[1], device)
     pair = dist.new_group([0, 1])
@@ -188,6 +244,7 @@ def train_rank(
             optimizer.step()
             synchronize(device)
             steps.append({"step": step, "loss": loss.item(), "step_s": time.perf_counter() - start})
+            report_step(steps[-1], rank, world, control, step_log)
             if timed:
                 busy.append(stage.last_stats.busy_s)
                 walls.append(stage.last_stats.wall_s)
@@ -209,14 +266,20 @@ def train_rank(
 
 
 def torch_rank(
-    rank: int, world: int, cfg: PipelineConfig, device: torch.device, control: Group
+    rank: int,
+    world: int,
+    cfg: PipelineConfig,
+    device: torch.device,
+    control: Group,
+    step_log: StepLog | None = None,
 ) -> dict:
     """The same stages, data and optimizer through torch.distributed.pipelining (the speed
     reference; only the last rank sees the loss, the others log NaN). Peak memory is sampled
-    as in :func:`train_rank`, so both runs carry the same sampling thread."""
+    as in :func:`train_rank`, so both runs carry the same sampling thread; step records too."""
     from torch.distributed import pipelining
 
     x, y, source = load_data(cfg)
+    step_log = step_log.completed(source=source) if step_log is not None else None
     x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
     (module,) = stage_modules(cfg, rank, x.shape[1], device)
     stage = pipelining.PipelineStage(module, rank, world, device)
@@ -240,6 +303,7 @@ def torch_rank(
             synchronize(device)
             loss = torch.stack(losses).mean().item() if losses else float("nan")
             steps.append({"step": step, "loss": loss, "step_s": time.perf_counter() - start})
+            report_step(steps[-1], rank, world, control, step_log, loss_rank=-1)
     return {"steps": steps, "peak_memory_bytes": memory.bytes, "source": source}
 
 
@@ -281,44 +345,65 @@ def control_group(backend: str) -> Group:
 
 
 def rank_result(
-    rank: int, world: int, cfg: PipelineConfig, local_rank: int, local_world: int, control: Group
+    rank: int,
+    world: int,
+    cfg: PipelineConfig,
+    local_rank: int,
+    local_world: int,
+    control: Group,
+    step_log: StepLog | None = None,
 ) -> dict:
     """This rank's run. NCCL ranks take GPU ``local_rank % count``: round-robin, so 4 stages
     on 2 GPUs put neighbouring stages on different GPUs. CPU ranks take their share of this
-    host's cores (effdl.parallel.launch.share_cpu)."""
+    host's cores (effdl.parallel.launch.share_cpu). Rank 0 writes the step records to
+    ``step_log``, their config completed with the data and every rank's cores."""
     device, cores = round_robin_device(cfg.backend, local_rank), ()
     if cfg.backend != "nccl":
         cores = share_cpu(local_rank, local_world, cfg.threads).cores
-    entry = long_rank if cfg.long else torch_rank if cfg.compare_torch else train_rank
-    return {**entry(rank, world, cfg, device, control), "cpu_cores": list(cores)}
+    if cfg.long:
+        result = long_rank(rank, world, cfg, device, control)
+    else:
+        every = [None] * world if rank == 0 else None
+        dist.gather_object(list(cores), every, dst=0, group=control)
+        if step_log is not None:
+            step_log = step_log.completed(cores=every)
+        entry = torch_rank if cfg.compare_torch else train_rank
+        result = entry(rank, world, cfg, device, control, step_log)
+    return {**result, "cpu_cores": list(cores)}
 
 
-def spawned_rank(rank: int, world: int, cfg: PipelineConfig) -> dict:
-    """Entry of a rank started by :func:`spawn`."""
-    return rank_result(rank, world, cfg, rank, world, control_group(cfg.backend))
+def spawned_rank(rank: int, world: int, cfg: PipelineConfig, step_log: StepLog | None) -> dict:
+    """Entry of a rank started by :func:`spawn` (rank 0 writes to ``step_log``)."""
+    mine = step_log if rank == 0 else None
+    return rank_result(rank, world, cfg, rank, world, control_group(cfg.backend), mine)
 
 
-def run_ranks(cfg: PipelineConfig) -> list[dict] | None:
-    """Every rank's result (in the logging process), or None on a torchrun rank other than 0."""
+def run_ranks(cfg: PipelineConfig, step_log: StepLog | None = None) -> list[dict] | None:
+    """Every rank's result (in the logging process), or None on a torchrun rank other than 0.
+    ``step_log``: where rank 0 writes each step's record (the logging process's log)."""
     if "LOCAL_RANK" not in os.environ:
-        return spawn(spawned_rank, cfg.stages, cfg, backend=cfg.backend)
+        return spawn(spawned_rank, cfg.stages, cfg, step_log, backend=cfg.backend)
     dist.init_process_group(cfg.backend)  # not init_from_env: GPUs are shared round-robin
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.stages:
         raise UsageError(f"torchrun started {world} processes for --stages {cfg.stages}")
     control = control_group(cfg.backend)
     local = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    result = rank_result(rank, world, cfg, *local, control)
+    result = rank_result(rank, world, cfg, *local, control, step_log if rank == 0 else None)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(result, gathered, dst=0, group=control)
     dist.destroy_process_group()
     return gathered
 
 
-def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
+def reference_run(
+    cfg: PipelineConfig, device: torch.device, step_log: StepLog | None = None
+) -> dict:
     """The same model, data order and optimizer in one process, on whole batches or, with
-    ``cfg.accumulate``, accumulating the gradients of the micro-batches."""
+    ``cfg.accumulate``, accumulating the gradients of the micro-batches; each step's record is
+    written to ``step_log`` as it is measured."""
     x, y, source = load_data(cfg)
+    step_log = step_log.completed(source=source) if step_log is not None else None
     x, y = x.to(device, DTYPES[cfg.dtype]), y.to(device)
     torch.manual_seed(cfg.seed)
     model = equal_work_mlp(x.shape[1], cfg.hidden, 10, cfg.stages * cfg.chunks)
@@ -335,4 +420,6 @@ def reference_run(cfg: PipelineConfig, device: torch.device) -> dict:
             synchronize(device)
             step_s = time.perf_counter() - start
             steps.append({"step": step, "loss": loss, "step_s": step_s})
+            if step_log is not None:
+                step_log.write(steps[-1])
     return {"steps": steps, "peak_memory_bytes": memory.bytes, "source": source}
