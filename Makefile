@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=10
 
-# On the GPU machine (torch preinstalled there): PYTHONPATH=. python3 -m pytest -m gpu
+# On a machine with a GPU and torch preinstalled: PYTHONPATH=. python3 -m pytest -m gpu
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 

@@ -52,7 +52,7 @@ def _git(*args: str) -> str:
 
 
 def _git_sha() -> str:
-    # A copy of the tree without .git (e.g. on the GPU machine) gets the sha from the caller.
+    # A copy of the tree without .git (e.g. one copied to another machine) gets the sha from the caller.
     if os.environ.get("EFFDL_GIT_SHA"):
         return os.environ["EFFDL_GIT_SHA"]
     try:

@@ -5,7 +5,7 @@ device at hand. Reports divide achieved FLOP/s and bytes/s by these measured val
 by datasheet peaks. Also the project's example of the task-script conventions.
 
     python swiglu_checkpoint/gpu_ceilings.py --quick          # CPU smoke run
-    python swiglu_checkpoint/gpu_ceilings.py --device cuda    # on the GPU machine
+    python swiglu_checkpoint/gpu_ceilings.py --device cuda    # on a machine with a GPU
 """
 
 from __future__ import annotations

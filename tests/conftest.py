@@ -11,7 +11,7 @@ def pytest_collection_modifyitems(config, items):
     2 devices; neither marker implies the other."""
     gpus = torch.cuda.device_count()
     needs = {
-        "gpu": (1, "needs CUDA (run on the GPU machine: pytest -m gpu)"),
+        "gpu": (1, "needs CUDA (run on a machine with a GPU: pytest -m gpu)"),
         "multigpu": (2, "needs 2 CUDA devices (run on a multi-GPU host: pytest -m multigpu)"),
     }
     for item in items:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-# The report pipeline's packages are not on the GPU machine, where `pytest -m gpu` collects this file.
+# The report pipeline's packages may be missing where `pytest -m gpu` collects this file.
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
 

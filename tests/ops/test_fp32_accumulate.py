@@ -49,7 +49,7 @@ def test_triton_kernel_in_interpreter_equals_torch():
 @pytest.mark.gpu
 def test_cuda_kernel_equals_torch():
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
+        pytest.skip("needs CUDA (run on a machine with a GPU: pytest -m gpu)")
     torch.manual_seed(0)
     for n in (7, 1 << 20):
         src = torch.randn(n, device="cuda", dtype=torch.bfloat16)

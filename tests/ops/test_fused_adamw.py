@@ -79,7 +79,7 @@ def test_triton_kernel_in_interpreter_equals_the_torch_path():
 @pytest.mark.gpu
 def test_cuda_kernel_equals_the_torch_path():
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
+        pytest.skip("needs CUDA (run on a machine with a GPU: pytest -m gpu)")
     torch.manual_seed(0)
     n = (1 << 20) + 3
     state = [

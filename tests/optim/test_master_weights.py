@@ -162,7 +162,7 @@ def test_a_parameter_without_gradient_gets_a_zero_one_not_the_last_steps():
 @pytest.mark.gpu
 def test_cuda_pass_matches_torch_fused_adamw():
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
+        pytest.skip("needs CUDA (run on a machine with a GPU: pytest -m gpu)")
 
     def fused(params):
         return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
