@@ -76,6 +76,7 @@ class StudyConfig:
     corpus_bytes: int | None = None  # None: the whole stdlib corpus
     cache: Path = DEFAULT_CACHE
     compile_on_cpu: bool = False
+    layer_norm: str = "fused"
 
     @property
     def timed_steps(self) -> int:
@@ -87,6 +88,7 @@ class StudyConfig:
         require_positive(self, "warmup_steps", "workers", minimum=0)
         require_positive(self, "lr", minimum=0)
         require_choices(self, "amp_dtype", ("fp16", "bf16"))
+        require_choices(self, "layer_norm", tuple(st.LAYER_NORMS))
         require_fits(
             "--tokens-per-step --max-length --d-model --d-ff --n-layers",
             self.n_layers
@@ -160,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Study
     flags.add("corpus_bytes", type=int, help="cap of the stdlib corpus; None = all of it")
     flags.add("cache", type=Path, output=True, help="folder for the corpus parquets and the BPE")
     flags.add("compile_on_cpu", action="store_true", help="run the compile stage on a CPU too")
+    flags.add("layer_norm", choices=list(st.LAYER_NORMS),
+              help="what the fused_layer_norm stage swaps in; torch: its kernel in the"
+                   " activations' dtype (the ablation)")  # fmt: skip
     args = p.parse_args(argv)
     return args, flags.resolve(args)
 
@@ -231,7 +236,7 @@ def run_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run, trace_dir
     """Train stage ``index`` from the seeded initial weights; its metrics."""
     stage = st.stages()[index]
     model_cfg = config_from_sizes(cfg, data.vocab_size, dropout=0.0)
-    model = st.build_model(model_cfg, stage, run.device, run.seed)
+    model = st.build_model(model_cfg, stage, run.device, run.seed, cfg.layer_norm)
     parts = st.StepParts(
         model=model,
         optimizer=st.build_optimizer(model, stage, cfg.lr),

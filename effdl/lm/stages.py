@@ -28,7 +28,7 @@ from effdl.data.packing import collate_bins
 from effdl.data.padding import pad_batch
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
 from effdl.models.lm_objective import LMInputs, lm_cross_entropy, lm_inputs
-from effdl.ops.layer_norm import swap_layer_norms
+from effdl.ops.layer_norm import FusedLayerNorm, InputDtypeLayerNorm, swap_layer_norms
 
 # (flag, what switching it on changes), in stage order: stage i has the first i flags on.
 STAGE_FLAGS: tuple[tuple[str, str], ...] = (
@@ -172,15 +172,25 @@ def step_loader(
 
 
 # ---------------------------------------------------------------------- model and optimizer
-def build_model(cfg: GPTLikeConfig, stage: Stage, device: torch.device, seed: int) -> nn.Module:
+LAYER_NORMS = {
+    "fused": FusedLayerNorm,
+    "torch": InputDtypeLayerNorm,
+}  # what fused_layer_norm swaps in
+
+
+def build_model(
+    cfg: GPTLikeConfig, stage: Stage, device: torch.device, seed: int, layer_norm: str = "fused"
+) -> nn.Module:
     """The seeded GPT-like LM of ``stage``: before ``masks_from_loader`` it passes the padding
-    mask to attention (a masked kernel instead of the causal one); fused LayerNorms and
-    compilation as the stage says. Same initial weights in every stage."""
+    mask to attention (a masked kernel instead of the causal one); from ``fused_layer_norm`` on
+    its LayerNorms are ``LAYER_NORMS[layer_norm]`` ("torch": torch's kernel in the activations'
+    dtype, the ablation of the fused one); compilation as the stage says. Same initial weights
+    in every stage."""
     torch.manual_seed(seed)
     model = GPTLikeModel(dataclasses.replace(cfg, mask_padding_keys=not stage.masks_from_loader))
     model.to(device).train()
     if stage.fused_layer_norm:
-        swap_layer_norms(model)
+        swap_layer_norms(model, LAYER_NORMS[layer_norm])
     if stage.compile:
         model.compile()
     return model

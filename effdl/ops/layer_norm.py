@@ -465,11 +465,23 @@ class FusedLayerNorm(nn.LayerNorm):
         return _apply(x, self.weight, self.bias, self.eps, self.normalized_shape)
 
 
-def swap_layer_norms(module: nn.Module) -> int:
-    """Replace every nn.LayerNorm inside ``module`` (not ``module`` itself) by a FusedLayerNorm
-    holding the same Parameter objects, so optimizers and tied weights keep working. Mutates
-    ``module``; returns how many were replaced. Subclasses of nn.LayerNorm (FusedLayerNorm among
-    them) are left as they are: their forward may differ."""
+class InputDtypeLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose output keeps ``x``'s dtype under autocast too: torch's own kernel run
+    outside autocast (fp32 statistics inside it). The reference FusedLayerNorm is measured
+    against, since both move half-precision bytes where nn.LayerNorm writes fp32 under autocast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return nn.functional.layer_norm(
+                x, self.normalized_shape, self.weight, self.bias, self.eps
+            )
+
+
+def swap_layer_norms(module: nn.Module, kind: type[nn.LayerNorm] = FusedLayerNorm) -> int:
+    """Replace every nn.LayerNorm inside ``module`` (not ``module`` itself) by a ``kind``
+    (FusedLayerNorm or InputDtypeLayerNorm) holding the same Parameter objects, so optimizers and
+    tied weights keep working. Mutates ``module``; returns how many were replaced. Subclasses of
+    nn.LayerNorm (FusedLayerNorm among them) are left as they are: their forward may differ."""
     swaps = [
         (parent, name, child)
         for parent in module.modules()
@@ -477,7 +489,7 @@ def swap_layer_norms(module: nn.Module) -> int:
         if type(child) is nn.LayerNorm
     ]
     for parent, name, old in swaps:
-        new = FusedLayerNorm(
+        new = kind(
             old.normalized_shape,
             old.eps,
             old.elementwise_affine,

@@ -16,6 +16,7 @@ from torch import nn
 from effdl.ops.layer_norm import (
     MAX_TRITON_WIDTH,
     FusedLayerNorm,
+    InputDtypeLayerNorm,
     fused_layer_norm,
     swap_layer_norms,
     uses_triton,
@@ -133,6 +134,17 @@ def test_output_keeps_x_dtype_under_autocast():
     torch.testing.assert_close(y.float(), expected, rtol=0, atol=2e-2)
 
 
+def test_input_dtype_layer_norm_is_torchs_kernel_outside_autocast():
+    torch.manual_seed(0)
+    ln = InputDtypeLayerNorm(16, dtype=torch.bfloat16)
+    nn.init.normal_(ln.weight)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ln(x)
+    assert y.dtype == torch.bfloat16  # nn.LayerNorm gives float32 here
+    assert torch.equal(y, F.layer_norm(x, (16,), ln.weight, ln.bias))
+
+
 def test_shape_mismatch_is_refused():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="does not end in"):
@@ -224,6 +236,9 @@ def test_swap_inside_decoder_layer_keeps_outputs_and_parameters():
     assert {name: p for name, p in layer.named_parameters()} == params  # the same objects
     torch.testing.assert_close(layer(tgt, memory), expected)
     assert swap_layer_norms(layer) == 0
+    layer = nn.TransformerDecoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    assert swap_layer_norms(layer, InputDtypeLayerNorm) == 3
+    assert type(layer.norm1) is InputDtypeLayerNorm
 
 
 # --------------------------------------------------------------------------- Triton interpreter
