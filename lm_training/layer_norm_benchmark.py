@@ -8,10 +8,7 @@ and the bias. Variants:
 
   torch      nn.LayerNorm (aten's fused kernels)
   fused      effdl.ops.layer_norm.FusedLayerNorm (Triton on CUDA, its PyTorch path elsewhere;
-             on CUDA its C++ op where that builds, the log's ``path`` says which)
-  fused_function
-             the same Triton kernels through FusedLayerNorm's Python autograd.Function, the
-             path where the C++ op cannot be built (CUDA only by default)
+             the log's ``path`` says which)
   compiled   torch.compile(nn.LayerNorm) (CUDA only by default: compiling on a CPU is slow)
   host_floor a Python autograd.Function over (x, weight, bias) that launches no kernel: x back
              (a view) forward, an uninitialized dx backward (allocated, then taken as x.grad
@@ -38,7 +35,6 @@ rounds: the kernels' own time, what the bandwidth fraction is about.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -57,7 +53,7 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.ops.layer_norm import FusedLayerNorm, FusedLayerNormFunction, cpp_op, uses_triton
+from effdl.ops.layer_norm import FusedLayerNorm, uses_triton
 from effdl.profiling.flops import measure_copy_bandwidth
 from effdl.profiling.harness import (
     HarnessConfig,
@@ -71,8 +67,8 @@ from effdl.profiling.harness import (
 from effdl.profiling.timing import TimingStats, median_ratio_ci
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-VARIANTS = ["torch", "fused", "fused_function", "compiled", "host_floor"]
-CUDA_ONLY_DEFAULTS = {"fused_function", "compiled", "host_floor"}
+VARIANTS = ["torch", "fused", "compiled", "host_floor"]
+CUDA_ONLY_DEFAULTS = {"compiled", "host_floor"}
 HOST_ONLY = {"host_floor"}  # no kernels: no bandwidth, no CUDA-graph time
 PASSES = 5  # x, y forward; x, dy, dx backward
 MAX_REPS = 20000
@@ -177,7 +173,7 @@ def parse_args():
 
 
 class _NoKernelFunction(torch.autograd.Function):
-    """Takes what FusedLayerNormFunction takes and launches nothing: ``x`` back (a view)
+    """Takes what FusedLayerNorm's Function takes and launches nothing: ``x`` back (a view)
     forward; backward, a new uninitialized dx (which autograd takes as ``x.grad`` as it is,
     where ``dy`` itself, held by the caller, would be copied) and no parameter gradients."""
 
@@ -190,16 +186,6 @@ class _NoKernelFunction(torch.autograd.Function):
         return torch.empty_like(dy), None, None
 
 
-class FusedFunctionPath(FusedLayerNorm):
-    """FusedLayerNorm through its Python autograd.Function (the Triton kernels where they
-    run), never the C++ op."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = math.prod(self.normalized_shape)
-        on_triton = uses_triton(x, width)
-        return FusedLayerNormFunction.apply(x, self.weight, self.bias, self.eps, on_triton, width)
-
-
 class HostFloor(nn.LayerNorm):
     """The host floor of a LayerNorm written as a Python autograd.Function (not a LayerNorm)."""
 
@@ -209,7 +195,7 @@ class HostFloor(nn.LayerNorm):
 
 def build_layer_norm(variant: str, hidden: int, eps: float, dtype, device) -> nn.Module:
     """``variant``'s LayerNorm with random affine parameters (same seed for every variant)."""
-    cls = {"fused": FusedLayerNorm, "fused_function": FusedFunctionPath, "host_floor": HostFloor}
+    cls = {"fused": FusedLayerNorm, "host_floor": HostFloor}
     cls = cls.get(variant, nn.LayerNorm)
     ln = cls(hidden, eps=eps, device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -309,8 +295,7 @@ def benchmark_shape(
         graph = graph_replay_times(captured, cfg.rounds, cfg.graph_replays)
     itemsize = torch.empty((), dtype=dtype).element_size()
     on_triton = uses_triton(torch.empty(1, device=device, dtype=dtype), shape.hidden)
-    function_path = "triton" if on_triton else "pytorch"
-    fused_path = "triton-cpp" if on_triton and cpp_op() is not None else function_path
+    fused_path = "triton" if on_triton else "pytorch"
     config = {"tokens": shape.tokens, "hidden": shape.hidden, "dtype": dtype_name, "eps": cfg.eps,
               **cfg.harness().record(), "device": str(device), "quick": quick}  # fmt: skip
     res = {}
@@ -327,9 +312,7 @@ def benchmark_shape(
                            graph_replays=cfg.graph_replays)  # fmt: skip
         if variant not in HOST_ONLY:
             metrics = with_bandwidth(metrics, shape, itemsize, copy_gb_per_s)
-        metrics["path"] = {"fused": fused_path, "fused_function": function_path}.get(
-            variant, variant
-        )
+        metrics["path"] = fused_path if variant == "fused" else variant
         res[variant] = metrics
         run.log.log(variant, config, metrics)
     return res

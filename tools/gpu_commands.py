@@ -273,7 +273,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 lm_training/layer_norm_benchmark.py --device cuda --out runs/lm",
         "python3 lm_training/layer_norm_benchmark.py --device cuda --shapes 16384x1024 --dtypes bf16"
         " --warmup 2 --warmup-time 0 --reps 3 --rounds 3 --min-time 0 --graph-replays 3 --out {out}",
-        90,
+        30,
         Headline("fused", "gb_per_s", "GB/s"),
     ),
     GpuCommand(

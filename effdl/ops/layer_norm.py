@@ -16,14 +16,10 @@ dy, write dx). Every sum is fp32 and each output is rounded once, on store; dw a
 from per-program fp32 partials in a fixed order (no atomics), so results do not depend on
 scheduling. Inputs and outputs may be fp32, fp16 or bf16 (``x`` and ``w`` of different ones).
 
-Where the kernels run, the op is the C++ autograd op of ``csrc/fused_layer_norm.cpp``
-(:func:`cpp_op`), because eager steps at small shapes are bound by host time; it keeps the
-per-key launch plans that :func:`_plan_forward` / :func:`_plan_backward` make. The Python
-:class:`FusedLayerNormFunction` over the same kernels serves where the C++ op cannot be built
-and under torch.compile. Triton's launch hooks do not see the C++ op's launches; CUDA's
-profilers do. The PyTorch path (same formulas, fp32 or float64) serves CPU tensors, float64,
-rows wider than :data:`MAX_TRITON_WIDTH` and machines without triton; :func:`uses_triton` is
-the one place that decides.
+The kernels run inside one autograd Function, :class:`FusedLayerNormFunction`, launched as
+Triton kernels are (``kernel[grid](...)``). The PyTorch path (same formulas, fp32 or float64)
+serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` and machines without
+triton; :func:`uses_triton` is the one place that decides.
 
 Under autocast the output keeps ``x``'s dtype (nn.LayerNorm returns float32 there): fusing is
 meant to move half the bytes, and the layers that follow cast their input anyway.
@@ -37,9 +33,6 @@ import math
 
 import torch
 from torch import nn
-
-from effdl.ops.cpp_extension import load_cpp_extension
-from effdl.ops.triton_launch import KernelLauncher
 
 try:
     import triton
@@ -141,10 +134,6 @@ if triton is not None:
             tl.store(first_ptr + cols, total.to(first_ptr.dtype.element_ty), mask=cols < n)
         else:
             tl.store(second_ptr + cols, total.to(second_ptr.dtype.element_ty), mask=cols < n)
-
-    _launch_forward = KernelLauncher(_forward_kernel)
-    _launch_backward = KernelLauncher(_backward_kernel)
-    _launch_sum_partials = KernelLauncher(_sum_partials_kernel)
 
 
 def uses_triton(x: torch.Tensor, width: int) -> bool:
@@ -269,7 +258,7 @@ def _triton_forward(x, weight, bias, eps):
     y = torch.empty_like(x)
     stats = torch.empty((2, x.shape[0]), device=x.device, dtype=torch.float32)  # mean, rstd
     grid, args, options = _forward_launch(x, y, weight, bias, stats, eps)
-    _launch_forward(grid, *args, **options)
+    _forward_kernel[grid](*args, **options)
     return y, stats
 
 
@@ -282,38 +271,13 @@ def _triton_backward(dy, x, weight, stats, dw_dtype, db_dtype):
     grid, args, options = _backward_launch(
         x, dy, dx, weight, stats, partial, rows_per_program, want_dw, want_db
     )
-    _launch_backward(grid, *args, **options)
+    _backward_kernel[grid](*args, **options)
     dw = torch.empty(n, device=x.device, dtype=dw_dtype) if want_dw else None
     db = torch.empty(n, device=x.device, dtype=db_dtype) if want_db else None
     if parts:
         grid, args, options = _sum_launch(partial, dw, db)
-        _launch_sum_partials(grid, *args, **options)
+        _sum_partials_kernel[grid](*args, **options)
     return dx, dw, db
-
-
-def _plan_forward(x, y, weight, bias, stats):
-    """The C++ op's plan for a new forward key: the compiled kernel, described
-    (:meth:`KernelLauncher.binary`)."""
-    grid, args, options = _forward_launch(x, y, weight, bias, stats, 0.0)
-    return _launch_forward.binary(grid, *args, **options)
-
-
-def _plan_backward(x, dy, dx, weight, stats, dw, db):
-    """The C++ op's plan for a new backward key: :func:`_backward_layout` and the two compiled
-    kernels, described (the partial-sum kernel None where neither ``dw`` nor ``db`` is
-    wanted)."""
-    programs, rows_per_program, parts = _backward_layout(x, dw is not None, db is not None)
-    partial = torch.empty((max(parts, 1), programs, x.shape[1]), device=x.device,
-                          dtype=torch.float32)  # fmt: skip
-    grid, args, options = _backward_launch(
-        x, dy, dx, weight, stats, partial, rows_per_program, dw is not None, db is not None
-    )
-    backward = _launch_backward.binary(grid, *args, **options)
-    sums = None
-    if parts:
-        grid, args, options = _sum_launch(partial, dw, db)
-        sums = _launch_sum_partials.binary(grid, *args, **options)
-    return programs, rows_per_program, parts, backward, sums
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -425,31 +389,8 @@ def fused_layer_norm(
     return _apply(x, weight, bias, eps, normalized_shape)
 
 
-def cpp_op():
-    """The C++ autograd op over the Triton kernels (``csrc/fused_layer_norm.cpp``), built on
-    first use, its planners set; None where it cannot be built (:mod:`effdl.ops.cpp_extension`).
-    """
-    global _cpp_op
-    if _cpp_op is None:
-        op = load_cpp_extension("effdl_fused_layer_norm", "fused_layer_norm.cpp")
-        if op is not None:
-            op.set_planners(_plan_forward, _plan_backward, MAX_TRITON_WIDTH)
-        _cpp_op = op or False
-    return _cpp_op or None
-
-
-_cpp_op = None  # what cpp_op() found: None before the first CUDA call, False where none builds
-
-
 def _apply(x, weight, bias, eps: float, normalized_shape: tuple[int, ...]) -> torch.Tensor:
-    """The op on ``x`` (the parameters' shapes are trusted): the C++ op where it is built and
-    the kernels take ``x`` (torch.compile traces the Python Function instead), else the Python
-    Function after checking ``x``'s trailing shape."""
-    op = _cpp_op if _cpp_op is not None or not x.is_cuda else cpp_op()
-    if op and not torch.compiler.is_compiling():
-        y = op.fused_layer_norm(x, weight, bias, eps, normalized_shape)
-        if y is not None:
-            return y
+    """The op on ``x`` after checking its trailing shape (the parameters' are trusted)."""
     if x.shape[x.dim() - len(normalized_shape) :] != normalized_shape:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end in {normalized_shape}")
     width = math.prod(normalized_shape)
