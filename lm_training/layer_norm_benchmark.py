@@ -7,8 +7,10 @@ each call). A step is ``y = ln(x)`` and the backward of a fixed random ``dy`` in
 and the bias. Variants:
 
   torch      nn.LayerNorm (aten's fused kernels)
-  fused      effdl.ops.layer_norm.FusedLayerNorm (Triton on CUDA, its PyTorch path elsewhere;
-             the log's ``path`` says which)
+  fused      effdl.ops.layer_norm.FusedLayerNorm (on CUDA torch's kernel in the input's dtype
+             below TRITON_MIN_BYTES, the Triton kernels above; its PyTorch path elsewhere; the
+             log's ``path`` says which)
+  triton     the Triton kernels at every size (CUDA only by default)
   compiled   torch.compile(nn.LayerNorm) (CUDA only by default: compiling on a CPU is slow)
   host_floor a Python autograd.Function over (x, weight, bias) that launches no kernel: x back
              (a view) forward, an uninitialized dx backward (allocated, then taken as x.grad
@@ -53,7 +55,7 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.ops.layer_norm import FusedLayerNorm, uses_triton
+from effdl.ops.layer_norm import FusedLayerNorm, FusedLayerNormFunction, kernel_path, uses_triton
 from effdl.profiling.flops import measure_copy_bandwidth
 from effdl.profiling.harness import (
     HarnessConfig,
@@ -67,8 +69,8 @@ from effdl.profiling.harness import (
 from effdl.profiling.timing import TimingStats, median_ratio_ci
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-VARIANTS = ["torch", "fused", "compiled", "host_floor"]
-CUDA_ONLY_DEFAULTS = {"compiled", "host_floor"}
+VARIANTS = ["torch", "fused", "triton", "compiled", "host_floor"]
+CUDA_ONLY_DEFAULTS = {"triton", "compiled", "host_floor"}
 HOST_ONLY = {"host_floor"}  # no kernels: no bandwidth, no CUDA-graph time
 PASSES = 5  # x, y forward; x, dy, dx backward
 MAX_REPS = 20000
@@ -186,6 +188,16 @@ class _NoKernelFunction(torch.autograd.Function):
         return torch.empty_like(dy), None, None
 
 
+class TritonAtEverySize(FusedLayerNorm):
+    """FusedLayerNorm's Triton kernels whatever the input's size (its PyTorch path off CUDA)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = self.weight.numel()
+        return FusedLayerNormFunction.apply(
+            x, self.weight, self.bias, self.eps, uses_triton(x, width), width
+        )
+
+
 class HostFloor(nn.LayerNorm):
     """The host floor of a LayerNorm written as a Python autograd.Function (not a LayerNorm)."""
 
@@ -195,7 +207,7 @@ class HostFloor(nn.LayerNorm):
 
 def build_layer_norm(variant: str, hidden: int, eps: float, dtype, device) -> nn.Module:
     """``variant``'s LayerNorm with random affine parameters (same seed for every variant)."""
-    cls = {"fused": FusedLayerNorm, "host_floor": HostFloor}
+    cls = {"fused": FusedLayerNorm, "triton": TritonAtEverySize, "host_floor": HostFloor}
     cls = cls.get(variant, nn.LayerNorm)
     ln = cls(hidden, eps=eps, device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -294,8 +306,10 @@ def benchmark_shape(
         captured = {v: captured_step(v, shape, dtype, cfg, device) for v in kernels}
         graph = graph_replay_times(captured, cfg.rounds, cfg.graph_replays)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    on_triton = uses_triton(torch.empty(1, device=device, dtype=dtype), shape.hidden)
-    fused_path = "triton" if on_triton else "pytorch"
+    x = torch.empty(shape.tokens, shape.hidden, device=device, dtype=dtype)
+    fused_path = kernel_path(x, shape.hidden)
+    triton_path = "triton" if uses_triton(x, shape.hidden) else "pytorch"
+    del x
     config = {"tokens": shape.tokens, "hidden": shape.hidden, "dtype": dtype_name, "eps": cfg.eps,
               **cfg.harness().record(), "device": str(device), "quick": quick}  # fmt: skip
     res = {}
@@ -312,7 +326,7 @@ def benchmark_shape(
                            graph_replays=cfg.graph_replays)  # fmt: skip
         if variant not in HOST_ONLY:
             metrics = with_bandwidth(metrics, shape, itemsize, copy_gb_per_s)
-        metrics["path"] = fused_path if variant == "fused" else variant
+        metrics["path"] = {"fused": fused_path, "triton": triton_path}.get(variant, variant)
         res[variant] = metrics
         run.log.log(variant, config, metrics)
     return res

@@ -17,7 +17,10 @@ from per-program fp32 partials in a fixed order (no atomics), so results do not 
 scheduling. Inputs and outputs may be fp32, fp16 or bf16 (``x`` and ``w`` of different ones).
 
 The kernels run inside one autograd Function, :class:`FusedLayerNormFunction`, launched as
-Triton kernels are (``kernel[grid](...)``). The PyTorch path (same formulas, fp32 or float64)
+Triton kernels are (``kernel[grid](...)``). Those launches and the Function cost the host more
+than torch's own LayerNorm, so CUDA inputs smaller than :data:`TRITON_MIN_BYTES` go to torch's
+kernel instead, run outside autocast so the output keeps ``x``'s dtype: below that size the
+layer_norm benchmark finds torch's eager step at least as fast. The PyTorch path (same formulas, fp32 or float64)
 serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` and machines without
 triton; :func:`uses_triton` is the one place that decides.
 
@@ -40,6 +43,7 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch path serves every input
     triton = None
 
+TRITON_MIN_BYTES = 256 * 2**20  # smaller CUDA inputs: torch's kernel (lm_training's benchmark)
 MAX_TRITON_WIDTH = 16384  # elements of one row kept in registers by one program
 PROGRAMS_PER_SM = 4  # backward programs per SM: rows in flight on every SM while keeping the
 # dw/db partials (programs x N) small
@@ -394,7 +398,31 @@ def _apply(x, weight, bias, eps: float, normalized_shape: tuple[int, ...]) -> to
     if x.shape[x.dim() - len(normalized_shape) :] != normalized_shape:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end in {normalized_shape}")
     width = math.prod(normalized_shape)
-    return FusedLayerNormFunction.apply(x, weight, bias, eps, uses_triton(x, width), width)
+    path = kernel_path(x, width)
+    if path == "torch":
+        return _torch_kernel(x, weight, bias, eps, normalized_shape)
+    return FusedLayerNormFunction.apply(x, weight, bias, eps, path == "triton", width)
+
+
+def kernel_path(x: torch.Tensor, width: int) -> str:
+    """What :func:`fused_layer_norm` runs for ``x`` with rows of ``width``: ``"torch"`` (torch's
+    kernel, CUDA inputs under :data:`TRITON_MIN_BYTES`), ``"triton"`` (see :func:`uses_triton`)
+    or ``"pytorch"`` (the formulas in torch ops)."""
+    if x.is_cuda and x.numel() * x.element_size() < TRITON_MIN_BYTES:
+        return "torch"
+    return "triton" if uses_triton(x, width) else "pytorch"
+
+
+def _torch_kernel(x, weight, bias, eps: float, normalized_shape: tuple[int, ...]) -> torch.Tensor:
+    """torch's LayerNorm outside autocast: the output in ``x``'s dtype. Parameters of another
+    dtype are cast to ``x``'s, except fp32 ones with half-precision ``x``, which it mixes."""
+
+    def cast(p: torch.Tensor | None) -> torch.Tensor | None:
+        keep = p is None or p.dtype == x.dtype or (p.dtype == torch.float32 and x.itemsize == 2)
+        return p if keep else p.to(x.dtype)
+
+    with torch.autocast("cuda", enabled=False):
+        return nn.functional.layer_norm(x, normalized_shape, cast(weight), cast(bias), eps)
 
 
 class FusedLayerNorm(nn.LayerNorm):

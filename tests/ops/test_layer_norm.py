@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from effdl.ops import layer_norm
 from effdl.ops.layer_norm import (
     MAX_TRITON_WIDTH,
     FusedLayerNorm,
@@ -310,7 +311,14 @@ GPU_SHAPES = [
 ]
 
 
+@pytest.fixture
+def triton_at_every_size(monkeypatch):
+    """The Triton kernels for CUDA inputs of any size (torch's kernel serves small ones)."""
+    monkeypatch.setattr(layer_norm, "TRITON_MIN_BYTES", 0)
+
+
 @pytest.mark.gpu
+@pytest.mark.usefixtures("triton_at_every_size")
 @pytest.mark.parametrize(("shape", "normalized_shape"), GPU_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("affine", AFFINE, ids=["w_b", "w", "none"])
@@ -330,8 +338,11 @@ def test_cuda_rows_too_wide_for_one_program_take_the_torch_path():
 
 
 @pytest.mark.gpu
-def test_cuda_module_bf16_weights_mixed_with_fp32_input():
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_cuda_module_bf16_weights_mixed_with_fp32_input(kernels, monkeypatch):
     pytest.importorskip("triton")
+    if kernels == "triton":
+        monkeypatch.setattr(layer_norm, "TRITON_MIN_BYTES", 0)
     torch.manual_seed(0)
     ref = nn.LayerNorm(1024, device="cuda")
     nn.init.normal_(ref.weight)
@@ -343,6 +354,21 @@ def test_cuda_module_bf16_weights_mixed_with_fp32_input():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_cuda_small_inputs_take_torchs_kernel_in_x_dtype_under_autocast(x_dtype):
+    torch.manual_seed(0)
+    ln = FusedLayerNorm(1024, device="cuda")  # fp32 parameters
+    nn.init.normal_(ln.weight)
+    x = torch.randn(300, 1024, device="cuda", dtype=x_dtype)
+    assert x.numel() * x.element_size() < layer_norm.TRITON_MIN_BYTES
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = ln(x)
+    assert y.dtype == x_dtype
+    assert torch.equal(y, F.layer_norm(x, (1024,), ln.weight, ln.bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("triton_at_every_size")
 def test_cuda_repeated_calls_on_aligned_and_offset_rows():
     """A row start 2 bytes off the 16-byte alignment after aligned calls (and back) must not
     run the kernel Triton compiled for aligned rows."""
