@@ -72,7 +72,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "torchrun --nproc-per-node 4 memory_efficient_gpt2/pipeline_parallel.py --backend nccl",
         "torchrun --nproc-per-node 2 memory_efficient_gpt2/pipeline_parallel.py --backend nccl"
         " --stages 2 --steps 20 --timed-steps 10 --out {out}",
-        30,
+        60,
         Headline("1f1b_summary", "median_step_s", "ms/step", 1e3),
         min_gpus=2,
     ),
@@ -81,7 +81,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "torchrun --nproc-per-node 2 memory_efficient_gpt2/tensor_parallel.py --backend nccl",
         "torchrun --nproc-per-node 2 memory_efficient_gpt2/tensor_parallel.py --backend nccl"
         " --steps 20 --warmup 5 --out {out}",
-        30,
+        60,
         Headline("block_parallel", "step_ms_median", "ms/step"),
         min_gpus=2,
     ),
@@ -89,7 +89,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "lm-ddp",
         "torchrun --nproc-per-node 2 lm_training/train.py --model 1b --parallel ddp --fused-optimizer --compile",
         f"torchrun --nproc-per-node 2 lm_training/train.py --model 125m --parallel ddp --fused-optimizer --compile {LM} --out {{out}}",
-        60,
+        90,
         TOKENS,
         min_gpus=2,
     ),
@@ -97,7 +97,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "lm-fsdp",
         "torchrun --nproc-per-node 2 lm_training/train.py --model 1b --parallel fsdp --precision fsdp-mp --fused-optimizer --compile",
         f"torchrun --nproc-per-node 2 lm_training/train.py --model 125m --parallel fsdp --precision fsdp-mp --fused-optimizer --compile {LM} --out {{out}}",
-        60,
+        90,
         TOKENS,
         min_gpus=2,
     ),
@@ -106,7 +106,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "ceilings",
         "python3 swiglu_checkpoint/gpu_ceilings.py --device cuda --out runs/ceilings",
         "python3 swiglu_checkpoint/gpu_ceilings.py --device cuda --sizes 4096 --copy-gib 1 --iters 5 --out {out}",
-        12,
+        30,
         Headline("matmul_bf16", "tflops", "TFLOP/s"),
     ),
     GpuCommand(
@@ -114,7 +114,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task1_loss_scaling/train_unet.py --device cuda --seeds 3 --out runs/task1",
         "python3 task1_loss_scaling/train_unet.py --device cuda --seeds 1 --n-images 96 --size 128"
         " --batch-size 16 --epochs 1 --timing-steps 5 --cache {cache}/task1 --out {out}",
-        13,
+        45,
         Headline("amp_dynamic", "step_s_median", "ms/step", 1e3),
     ),
     GpuCommand(
@@ -123,7 +123,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task1_loss_scaling/lm_precision.py --device cuda --timing-batch-sizes 32 128"
         " --n-samples 2500 --synthetic-vocab 20000 --max-vocab 4096 --d-model 256 --steps 20"
         " --warmup-steps 2 --noise-seeds 1 --eval-batches 2 --timing-reps 5 --out {out}",
-        14,
+        30,
         Headline("amp_dynamic", "step_s_median", "ms/step", 1e3),
     ),
     GpuCommand(
@@ -132,7 +132,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task2_batching/mock_epoch.py --device cuda --quick --pipelines brain bigbrain ultra"
         " packed_concat packed_bfd --ks 1 5 10 20 50 640 --max-batches 20 --warmup-batches 2"
         " --cache {cache}/task2/wt103_quick.npz --out {out}",
-        9,
+        30,
         Headline("packed_bfd", "real_tokens_per_s", "tokens/s"),
     ),
     GpuCommand(
@@ -140,7 +140,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task2_batching/mock_epoch.py --device cuda --pipelines bigbrain ultra --ks 640 --out runs/task2",
         "python3 task2_batching/mock_epoch.py --device cuda --quick --pipelines bigbrain ultra --ks 640"
         " --max-batches 20 --warmup-batches 2 --cache {cache}/task2/wt103_quick.npz --out {out}",
-        8,
+        20,
         Headline("ultra_k640", "real_tokens_per_s", "tokens/s"),
     ),
     GpuCommand(
@@ -149,7 +149,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task2_batching/mock_epoch.py --device cuda --quick --pipelines ultra packed_concat"
         " packed_bfd --ks 5 --max-tokens 40960 --repeats 2 --max-batches 20 --warmup-batches 2"
         " --cache {cache}/task2/wt103_quick.npz --out {out}",
-        8,
+        25,
         Headline("ultra_k5_mt40960", "real_tokens_per_s", "tokens/s"),
     ),
     GpuCommand(
@@ -157,42 +157,42 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task2_batching/train_pipelines.py --device cuda --out runs/task2",
         "python3 task2_batching/train_pipelines.py --device cuda --quick --token-budget 40000"
         " --cache {cache}/task2/wt103_quick_v4k.npz --out {out}",
-        10,
+        30,
         Headline("packed_bfd", "real_tokens_per_s", "tokens/s"),
     ),
     GpuCommand(
         "task2-sampler-costs",
         "python3 task2_batching/sampler_costs.py --out runs/task2",
         "python3 task2_batching/sampler_costs.py --ns 10000 100000 --batches 200 --repeats 1 --out {out}",
-        5,
+        15,
         Headline("sampler_n100000_k640", "batch_s_mean", "µs/batch", 1e6),
     ),
     GpuCommand(
         "task2-packing-costs",
         "python3 task2_batching/packing_costs.py --out runs/task2",
         "python3 task2_batching/packing_costs.py --sizes 10000 100000 --iters 1 --warmup 0 --out {out}",
-        5,
+        15,
         Headline("packing_bfd", "time_s_median", "ms", 1e3),
     ),
     GpuCommand(
         "gpt2-baseline",
         "python3 memory_efficient_gpt2/baseline.py --device cuda --out runs/gpt2",
         "python3 memory_efficient_gpt2/baseline.py --device cuda --size tiny --seq 128 --micro-batches 2 4 --out {out}",
-        8,
+        40,
         Headline("baseline_own_best", "seq_per_s", "seq/s"),
     ),
     GpuCommand(
         "gpt2-offload",
         "python3 memory_efficient_gpt2/train.py --device cuda --steps 8 --out runs/gpt2",
         f"python3 memory_efficient_gpt2/train.py --device cuda --steps 3 {GPT2} --out {{out}}",
-        8,
+        45,
         Headline("*_summary", "peak_gib_max", "GiB"),
     ),
     GpuCommand(
         "gpt2-fixed-batch",
         "python3 memory_efficient_gpt2/train.py --device cuda --fixed-batch --steps 30 --reference adamw --out runs/gpt2",
         f"python3 memory_efficient_gpt2/train.py --device cuda --fixed-batch --steps 4 --reference adamw {GPT2} --out {{out}}",
-        8,
+        45,
         Headline("fixed_batch_summary", "seq_per_s_median", "seq/s"),
         comment="ours in 11 GiB, then torch AdamW from the same weights",
     ),
@@ -202,7 +202,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 memory_efficient_gpt2/pretrain.py --device cuda --minutes 0.1 --save {run}/gpt2-pretrained"
         " --size tiny --steps 10 --batch 8 --micro-batch 4 --seq 128 --skip-tokens 1024"
         f" {STDLIB} --out {{out}}",
-        8,
+        45,
         Headline("pretrain_summary", "tokens_per_s_median", "tokens/s"),
         comment="GPT-2-Large pretrained on the stdlib corpus, never on the fixed batch",
     ),
@@ -211,7 +211,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 memory_efficient_gpt2/train.py --device cuda --model-path /tmp/ckpt --fixed-batch --steps 30 --reference adamw --out runs/gpt2",
         "python3 memory_efficient_gpt2/train.py --device cuda --model-path {run}/gpt2-pretrained"
         f" --fixed-batch --steps 4 --reference adamw {GPT2} --out {{out}}",
-        8,
+        45,
         Headline("fixed_batch_summary", "seq_per_s_median", "seq/s"),
         comment="the fixed-batch test from those weights",
         after="gpt2-pretrain",
@@ -220,7 +220,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "gpt2-torchao",
         "python3 memory_efficient_gpt2/peer_torchao.py --device cuda --steps 8 --out runs/gpt2",
         f"python3 memory_efficient_gpt2/peer_torchao.py --device cuda --steps 3 {GPT2} --out {{out}}",
-        8,
+        45,
         Headline("torchao_summary", "seq_per_s_median", "seq/s"),
         comment="torchao's CPUOffloadOptimizer, right after ours on the same host",
         requires=("torchao",),
@@ -230,14 +230,14 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 swiglu_checkpoint/benchmark.py --device cuda --out runs/swiglu",
         "python3 swiglu_checkpoint/benchmark.py --device cuda --configs 8,512,1024,4096,3 --dtypes bf16"
         " --reps 3 --rounds 3 --warmup-time 0 --min-time 0 --settle 0 --out {out}",
-        13,
+        30,
         Headline("level0", "step_s_median", "ms/step", 1e3),
     ),
     GpuCommand(
         "vit-train",
         "python3 task3_vit_profiling/train.py --device cuda --pipeline as_given --out runs/vit",
         f"python3 task3_vit_profiling/train.py --device cuda --pipeline as_given {VIT} --out {{out}}",
-        10,
+        30,
         Headline("as_given", "train_images_per_s", "images/s"),
         comment="and --pipeline fixed, and fixed with one flag undone",
     ),
@@ -248,7 +248,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         " --compare-batch-size 64 --wait 0 --warmup 1 --active 1 --overhead-rounds 1"
         " --overhead-seconds 0 --overhead-steps 1 --sample-every 2 --compare-sample-every 2"
         " --out {out}",
-        15,
+        45,
         Headline("fixed", "bare_step_ms_median", "ms/step"),
         comment="and --pipeline as_given",
     ),
@@ -256,7 +256,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "lm-1b-compile",
         "python3 lm_training/train.py --model 1b --fused-optimizer --compile --out runs/lm",
         f"python3 lm_training/train.py --model 125m --fused-optimizer --compile {LM} --out {{out}}",
-        32,
+        60,
         TOKENS,
         comment="lm_training/README.md lists the whole study",
     ),
@@ -265,7 +265,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 lm_training/train.py --model 1b --sequence-length 2048 --batch-size 8 --grad-accumulation 4 --fused-optimizer --compile --out runs/lm",
         "python3 lm_training/train.py --model 125m --sequence-length 2048 --batch-size 8"
         f" --grad-accumulation 2 --fused-optimizer --compile {LM} --out {{out}}",
-        16,
+        60,
         TOKENS,
     ),
     GpuCommand(
@@ -273,7 +273,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 lm_training/layer_norm_benchmark.py --device cuda --out runs/lm",
         "python3 lm_training/layer_norm_benchmark.py --device cuda --shapes 16384x1024 --dtypes bf16"
         " --warmup 2 --warmup-time 0 --reps 3 --rounds 3 --min-time 0 --graph-replays 3 --out {out}",
-        30,
+        60,
         Headline("fused", "gb_per_s", "GB/s"),
     ),
     GpuCommand(
@@ -281,7 +281,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 lm_training/speedup_stages.py --device cuda --out runs/lm",
         "python3 lm_training/speedup_stages.py --device cuda --steps 5 --warmup-steps 1 --profile-steps 1"
         f" --tokens-per-step 4096 {STDLIB} --out {{out}}",
-        28,
+        120,
         Headline("stage10_*", "tokens_per_s", "tokens/s"),
     ),
     GpuCommand(
@@ -289,7 +289,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 memory_efficient_gpt2/baseline.py --device cuda --size xl --out runs/gpt2",
         "python3 memory_efficient_gpt2/baseline.py --device cuda --size xl --seq 128"
         " --micro-batches 2 --out {out}",
-        25,
+        90,
         Headline("baseline_own_best", "seq_per_s", "seq/s"),
         comment="then train.py --level 1, --level 3 on the same host",
     ),
@@ -298,7 +298,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 memory_efficient_gpt2/probes/int8_update_speed.py --device cuda --out runs/gpt2",
         "python3 memory_efficient_gpt2/probes/int8_update_speed.py --device cuda --values 16777216"
         " --tensor-numel 4194304 --bucket-numel 8388608 --steps 2 --out {out}",
-        8,
+        20,
         Headline("int8_update_device", "ns_per_value", "ns/value"),
     ),
     GpuCommand(
@@ -307,7 +307,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 memory_efficient_gpt2/probes/fixed_batch_lr_sweep.py --lrs 3e-4 1e-3 --beta2s 0.999 0.95"
         " --micro-batch 4 --steps 3 --device cuda --size tiny --batch 8 --seq 128"
         f" {STDLIB} --out {{out}}",
-        9,
+        40,
         Headline("fall", "fall", "loss fall"),
     ),
     GpuCommand(
@@ -316,7 +316,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 memory_efficient_gpt2/probes/fixed_batch_lr_sweep.py --lrs 3e-4 --batches 8 16 32"
         " --micro-batch 8 --steps 3 --device cuda --size tiny --batch 8 --seq 128"
         f" {STDLIB} --out {{out}}",
-        9,
+        45,
         Headline("fall", "fall", "loss fall"),
         comment="each batch's loss floor",
     ),
@@ -324,7 +324,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "vit-profiler-host-cost",
         "python3 task3_vit_profiling/probes/layer_profiler_host_cost.py --device cuda",
         "python3 task3_vit_profiling/probes/layer_profiler_host_cost.py --device cuda --rounds 3 --steps 10",
-        5,
+        20,
         None,
         comment="Profile's host time per hooked module call",
     ),
@@ -333,7 +333,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "lm-1b",
         "python lm_training/train.py --model 1b",
         f"python3 lm_training/train.py --model 125m {LM} --out {{out}}",
-        10,
+        30,
         TOKENS,
         readme="lm_training/README.md",
     ),
@@ -342,7 +342,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python lm_training/train.py --model 1b --fused-optimizer --compile --sequence-length 4096 --batch-size 2",
         "python3 lm_training/train.py --model 125m --fused-optimizer --compile --sequence-length 4096"
         f" --batch-size 2 {LM} --out {{out}}",
-        16,
+        60,
         TOKENS,
         readme="lm_training/README.md",
     ),
@@ -351,7 +351,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python lm_training/train.py --model 1b --parallel fsdp --precision fsdp-mp --fused-optimizer --compile",
         "python3 lm_training/train.py --model 125m --parallel fsdp --precision fsdp-mp"
         f" --fused-optimizer --compile {LM} --out {{out}}",
-        16,
+        60,
         TOKENS,
         readme="lm_training/README.md",
     ),
@@ -360,7 +360,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python lm_training/train.py --model 1b --precision master --batch-size 8 --grad-accumulation 16 --workers 8 --fused-optimizer --compile",
         "python3 lm_training/train.py --model 125m --precision master --batch-size 8"
         f" --grad-accumulation 2 --workers 8 --fused-optimizer --compile {LM} --out {{out}}",
-        16,
+        60,
         TOKENS,
         readme="lm_training/README.md",
     ),
@@ -368,7 +368,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "lm-1b-profile",
         "python lm_training/train.py --model 1b --profile --steps 12",
         f"python3 lm_training/train.py --model 125m --profile --profile-steps 2 {LM} --out {{out}}",
-        10,
+        40,
         TOKENS,
         readme="lm_training/README.md",
     ),
@@ -377,7 +377,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python lm_training/train.py --model 125m --steps 600 --batch-size 16 --eval-every 50 --log-every 50",
         "python3 lm_training/train.py --model 125m --batch-size 16 --sequence-length 256 --eval-every 3"
         f" --eval-batches 1 {LM} --out {{out}}",
-        10,
+        40,
         TOKENS,
         readme="lm_training/README.md",
     ),
@@ -386,7 +386,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python lm_training/speedup_stages.py --device cuda --stages 7,8",
         "python3 lm_training/speedup_stages.py --device cuda --stages 7,8 --steps 5 --warmup-steps 1"
         f" --profile-steps 1 --tokens-per-step 4096 {STDLIB} --out {{out}}",
-        10,
+        45,
         Headline("stage8_*", "tokens_per_s", "tokens/s"),
         readme="lm_training/README.md",
     ),
