@@ -132,7 +132,11 @@ def baseline_models(cfg: BaselineConfig, device: torch.device) -> Iterator[tuple
     Hugging Face's model as shipped (fp32 weights, gelu_new) under fp16 autocast, and ours as
     the offloaded run computes (bf16 weights, tanh GELU, the chunked loss)."""
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    hf = load_model(cfg.size, cfg.model_path, cfg.dropout, fast_gelu=False).to(device).train()
+    # random weights are drawn where the model runs (drawing GPT-2-XL's on a CPU is slow)
+    where = device if cfg.model_path is None else torch.device("cpu")
+    with where:
+        hf = load_model(cfg.size, cfg.model_path, cfg.dropout, fast_gelu=False)
+    hf = hf.to(device).train()
     yield (
         "baseline",
         hf,
@@ -141,7 +145,9 @@ def baseline_models(cfg: BaselineConfig, device: torch.device) -> Iterator[tuple
         "fp32",
     )
     del hf
-    own = load_model(cfg.size, cfg.model_path, cfg.dropout).to(device, torch.bfloat16).train()
+    with where:
+        own = load_model(cfg.size, cfg.model_path, cfg.dropout)
+    own = own.to(device, torch.bfloat16).train()
     own_loss = functools.partial(lm_loss, own, chunk_tokens=cfg.chunk_tokens)
     yield "baseline_own", own, own_loss, "none", "bf16"
 

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-TIMES_ENV = "EFFDL_TEST_TIMES"  # a file: each test's duration is appended as it ends
+TIMES_ENV = "EFFDL_TEST_TIMES"  # a .jsonl file: each test's duration is logged as it ends
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,10 +33,18 @@ def _restore_cuda_process_state():
         torch.cuda.empty_cache()
 
 
+_times_log = None  # the RunLog of $EFFDL_TEST_TIMES, opened at the first finished test
+
+
 def pytest_runtest_logreport(report):
-    """With ``$EFFDL_TEST_TIMES`` set, append each test's call time as the test ends, so a run
-    stopped at a time limit still tells which tests took the time."""
+    """With ``$EFFDL_TEST_TIMES`` set (a .jsonl path), log each test's call time as a run record
+    as the test ends, so a run stopped at a time limit still tells which tests took the time."""
+    global _times_log
     path = os.environ.get(TIMES_ENV)
     if path and report.when == "call":
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{report.duration:.2f}\t{report.outcome}\t{report.nodeid}\n")
+        if _times_log is None:
+            from effdl.results import RunLog
+
+            _times_log = RunLog(path, task="tests")
+        metrics = {"seconds": report.duration, "outcome": report.outcome}
+        _times_log.log(report.nodeid, {}, metrics)

@@ -276,3 +276,34 @@ def test_only_takes_several_substrings():
     names = [c.name for c in check.selected(["gpt2-xl", "vit-train"])]
     assert names == ["vit-train", "gpt2-xl-baseline"]
     assert len(check.selected(None)) == len(COMMANDS)
+
+
+LANE_FAKE = """import os, sys, time
+from pathlib import Path
+out, name = Path(sys.argv[2]), sys.argv[3]
+if name == "reader":
+    assert (out.parent / "writer" / "done").exists(), "ran before the command it reads from"
+time.sleep(0.5 if name == "writer" else 0.1)
+out.mkdir(parents=True)
+(out / "done").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+"""
+
+
+def test_one_gpu_commands_share_the_gpus_in_lanes(tmp_path, monkeypatch):
+    (tmp_path / "lane.py").write_text(LANE_FAKE)
+    fake = f"python3 {tmp_path / 'lane.py'} --out {{out}}"
+    listed = [
+        commands.GpuCommand("writer", "python3 a.py", f"{fake} writer", 30, None),
+        commands.GpuCommand("reader", "python3 a.py", f"{fake} reader", 30, None, after="writer"),
+        *(commands.GpuCommand(f"c{i}", "python3 a.py", f"{fake} c{i}", 30, None) for i in range(3)),
+    ]
+    monkeypatch.setattr(check, "COMMANDS", listed)
+    monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert check.main(["--out", str(tmp_path / "acceptance")]) == 0
+    (run_dir,) = (tmp_path / "acceptance").glob("2*")
+    lanes = {c.name: (run_dir / c.name / "done").read_text() for c in listed}
+    assert set(lanes.values()) == {"4", "6"}  # each command saw one GPU, both lanes were used
+    (log,) = run_dir.glob("gpu_check.jsonl")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["variant"]: r["config"]["lane"] for r in records} == lanes

@@ -7,7 +7,9 @@ After each command a record (exit code, seconds, headline figure) is appended to
 ``gpu_check.jsonl`` there; the end prints one table. A time limit is a command's kill switch,
 well above its usual time; a command is skipped, not started, when less than half its limit is
 left of ``--budget-s``, when its GPUs are missing, an optional module is
-absent or the command it reads from did not pass. ``--with-tests`` then runs the GPU tests, under
+absent or the command it reads from did not pass. The several-GPU commands run first, one at a
+time; then the one-GPU commands run in one lane per GPU (``CUDA_VISIBLE_DEVICES`` set to it, a
+data cache of its own), a command waiting for the one it reads from. ``--with-tests`` then runs the GPU tests, under
 a limit of their own. Exit code 1 if any command failed or timed out.
 
     python3 tools/gpu_check.py                      # everything this host can run
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,8 +104,8 @@ def argv_of(line: str, folders: dict[str, Path]) -> list[str]:
     raise ValueError(f"{line!r}: expected python3 or torchrun")
 
 
-def child_env() -> dict[str, str]:
-    env = {**os.environ, **MULTICAST_OFF}
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **MULTICAST_OFF, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
 
@@ -129,14 +132,16 @@ def kill(pid: int, sig: int, group: bool = False) -> None:
         (os.killpg if group else os.kill)(pid, sig)
 
 
-def run_process(argv: list[str], limit_s: float, log: Path) -> tuple[int | None, float]:
+def run_process(
+    argv: list[str], limit_s: float, log: Path, env: dict[str, str] | None = None
+) -> tuple[int | None, float]:
     """Run ``argv`` in a process group of its own, output to ``log``; (exit code or None on
     timeout, seconds). On a timeout the group gets SIGTERM, then it and every process the
     command started (torchrun puts its ranks in sessions of their own) SIGKILL; after any end,
     what is left of the group (loader workers) goes too."""
     start = time.monotonic()
     with log.open("w", encoding="utf-8") as f:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=f,
+        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(env), stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             code = proc.wait(timeout=limit_s)
@@ -181,10 +186,12 @@ def skip_reason(c: GpuCommand, gpus: int, left_s: float, done: dict[str, Outcome
     return ""
 
 
-def run_command(c: GpuCommand, run_dir: Path, cache: Path) -> Outcome:
+def run_command(
+    c: GpuCommand, run_dir: Path, cache: Path, env: dict[str, str] | None = None
+) -> Outcome:
     out = run_dir / c.name
     argv = argv_of(c.check, {"out": out, "run": run_dir, "cache": cache})
-    code, seconds = run_process(argv, c.limit_s, run_dir / f"{c.name}.log")
+    code, seconds = run_process(argv, c.limit_s, run_dir / f"{c.name}.log", env)
     status = "timeout" if code is None else "ok" if code == 0 else "failed"
     outcome = Outcome(c.name, status, code, seconds)
     if c.headline is not None and out.is_dir():
@@ -193,7 +200,10 @@ def run_command(c: GpuCommand, run_dir: Path, cache: Path) -> Outcome:
 
 
 def run_tests(run_dir: Path) -> Outcome:
-    code, seconds = run_process(argv_of(TESTS, {}), TESTS_LIMIT_S, run_dir / "pytest-gpu.log")
+    times = {"EFFDL_TEST_TIMES": str((run_dir / "gpu_tests.jsonl").resolve())}  # each test's time
+    code, seconds = run_process(
+        argv_of(TESTS, {}), TESTS_LIMIT_S, run_dir / "pytest-gpu.log", times
+    )
     status = "timeout" if code is None else "ok" if code == 0 else "failed"
     return Outcome("pytest-gpu", status, code, seconds)
 
@@ -209,7 +219,7 @@ def report(outcome: Outcome, run_dir: Path) -> None:
     """One line per finished command; the tail of its output when it did not pass."""
     figure = "" if outcome.headline is None else f", {outcome.headline:.4g} {outcome.unit}"
     note = f" ({outcome.note})" if outcome.note else ""
-    print(f"  {outcome.status}{note}: {outcome.seconds:.1f} s{figure}", flush=True)
+    print(f"  [{outcome.name}] {outcome.status}{note}: {outcome.seconds:.1f} s{figure}", flush=True)
     output = run_dir / f"{outcome.name}.log"
     if outcome.status in ("failed", "timeout") and output.exists():
         lines = output.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -222,6 +232,59 @@ def table_row(o: Outcome) -> dict:
     return {"command": o.name, "status": o.status,
             "exit": "" if o.exit_code is None else str(o.exit_code),
             "seconds": f"{o.seconds:.1f}", "headline": figure, "note": o.note}  # fmt: skip
+
+
+def command_config(c: GpuCommand) -> dict:
+    return {"command": c.check, "readme_command": c.command, "limit_s": c.limit_s}
+
+
+def start_or_skip(c: GpuCommand, gpus: int, left_s: float, done: dict) -> Outcome | None:
+    """A skipped outcome, or None after announcing that ``c`` starts."""
+    reason = skip_reason(c, gpus, left_s, done)
+    print(f"[{c.name}] {f'skipped: {reason}' if reason else c.check}", flush=True)
+    return Outcome(c.name, "skipped", note=reason) if reason else None
+
+
+def lane_devices(gpus: int) -> list[str]:
+    """The device each lane sees as its only one: the visible devices, in order."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(gpus)]
+    return names[:gpus]
+
+
+def run_in_lanes(commands: list[GpuCommand], gpus: int, args: argparse.Namespace,
+                 start: float, run_dir: Path, log: RunLog, done: dict) -> None:  # fmt: skip
+    """One-GPU commands in list order, one lane per GPU; a command whose ``after`` has not
+    ended yet waits and the next one takes the free lane."""
+    pending, running = list(commands), {}  # running: Future -> (command, lane)
+    free = lane_devices(gpus)
+    with ThreadPoolExecutor(max_workers=len(free)) as pool:
+        while pending or running:
+            busy = {c.name for c, _ in running.values()} | {c.name for c in pending}
+            for c in [c for c in pending if c.after not in busy]:
+                if not free:
+                    break
+                pending.remove(c)
+                left_s = args.budget_s - (time.monotonic() - start)
+                skipped = start_or_skip(c, gpus, left_s, done)
+                if skipped is not None:
+                    done[c.name] = skipped
+                    record(log, skipped, {**command_config(c), "gpus": gpus})
+                    continue
+                lane = free.pop(0)
+                env = {"CUDA_VISIBLE_DEVICES": lane} if gpus > 1 else None
+                cache = args.out / "cache" / (f"lane{lane}" if gpus > 1 else "")
+                future: Future = pool.submit(run_command, c, run_dir, cache, env)
+                running[future] = (c, lane)
+            if not running:
+                continue
+            for future in wait(running, return_when=FIRST_COMPLETED).done:
+                c, lane = running.pop(future)
+                free.append(lane)
+                done[c.name] = future.result()
+                report(done[c.name], run_dir)
+                config = {**command_config(c), "gpus": gpus, "lane": lane}
+                record(log, done[c.name], config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,17 +306,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{gpus} GPU(s): {log.env['gpu']}; logs in {run_dir}", flush=True)
     done: dict[str, Outcome] = {}
     start = time.monotonic()
-    for c in commands:
-        left_s = args.budget_s - (time.monotonic() - start)
-        reason = skip_reason(c, gpus, left_s, done)
-        print(f"[{c.name}] {f'skipped: {reason}' if reason else c.check}", flush=True)
-        if reason:
-            done[c.name] = Outcome(c.name, "skipped", note=reason)
-        else:
-            done[c.name] = run_command(c, run_dir, args.out / "cache")
+    several = [c for c in commands if c.min_gpus > 1]
+    for c in several:
+        outcome = start_or_skip(c, gpus, args.budget_s - (time.monotonic() - start), done)
+        done[c.name] = outcome or run_command(c, run_dir, args.out / "cache")
+        if outcome is None:
             report(done[c.name], run_dir)
-        config = {"command": c.check, "readme_command": c.command, "limit_s": c.limit_s}
-        record(log, done[c.name], {**config, "gpus": gpus})
+        record(log, done[c.name], {**command_config(c), "gpus": gpus})
+    one = [c for c in commands if c.min_gpus <= 1]
+    run_in_lanes(one, gpus, args, start, run_dir, log, done)
     if args.with_tests:
         print(f"[pytest-gpu] {TESTS}", flush=True)
         done["pytest-gpu"] = run_tests(run_dir)
