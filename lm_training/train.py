@@ -44,7 +44,6 @@ from effdl.data.stdlib_text import DEFAULT_CACHE
 from effdl.lm import data as lm_data
 from effdl.lm.build import (
     ATTENTION_BACKENDS,
-    build_model,
     check_llama_fits,
     llama_args,
     optimizer_and_clip,
@@ -55,7 +54,7 @@ from effdl.lm.processes import Dist, setup_distributed, teardown_distributed
 from effdl.lm.resume import flag_problem, resume_training, save_training
 from effdl.lm.throughput import PendingSteps, Rates, measured_bf16_ceiling, summarize
 from effdl.lm.tracing import add_profile_ranges, profiled
-from effdl.models.llama import PRESETS, llama_train_flops_per_token
+from effdl.models.llama import PRESETS, build_on_meta, llama_train_flops_per_token
 from effdl.optim import warmup_cosine_lr
 from effdl.parallel import apply_activation_checkpointing, wrap_model
 from effdl.profiling.flops import peak_bf16_tflops
@@ -276,13 +275,13 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
 
     # model, optimizer, compute mode
     select_attention(cfg.attention)
-    model = build_model(margs, d.device, args.seed)
+    model = build_on_meta(margs)  # allocated by wrap_model: under FSDP2 one block at a time
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.profile and not cfg.compile:
         add_profile_ranges(model)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
-    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb)  # fmt: skip
+    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb, init_seed=args.seed)  # fmt: skip
     model.train()
     opt, clip = optimizer_and_clip(model, cfg.precision, cfg.lr, cfg.weight_decay, cfg.fused_optimizer)  # fmt: skip
     autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"

@@ -1,9 +1,9 @@
 """The Llama of an LM training run on its device, its attention backend and its optimizer.
 
 Parallelism stays out of the model: the Llama from effdl.models.llama is built on the meta
-device and materialised on every rank with the same seed (so every rank starts from the same
-weights as a single process would); effdl.parallel.wrap_model then compiles it block by block
-and wraps it in DDP or shards it with FSDP2.
+device; effdl.parallel.wrap_model materialises it on every rank from one seed (the weights a
+single process would start from), compiles it block by block and wraps it in DDP or shards it
+with FSDP2.
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from torch import nn
 from effdl.cli import UsageError, require_fits
 from effdl.models.llama import (
     PRESETS,
-    Transformer,
     TransformerModelArgs,
-    build_on_meta,
-    materialize,
 )
 from effdl.optim import MasterWeights
 
@@ -42,13 +39,6 @@ def llama_args(
             f"vocabulary of {args.vocab_size}: use --vocab-size or a smaller --bpe-vocab"
         )
     return args
-
-
-def build_model(args: TransformerModelArgs, device: torch.device, seed: int) -> Transformer:
-    """The model on the meta device, then materialised on ``device`` in fp32 with ``seed``."""
-    model = build_on_meta(args)
-    torch.manual_seed(seed)
-    return materialize(model, device, torch.float32)
 
 
 def make_optimizer(

@@ -21,7 +21,9 @@ exact count in closed form.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -282,20 +284,45 @@ class Transformer(nn.Module):
         which then keeps its scale at any depth. The head is N(0, 1/dim): the final norm gives
         unit-RMS features, so the initial logits have unit variance at any width. Norms: ones.
         """
-        self.rope_cos, self.rope_sin = rope_tables(self.args, self.output.weight.device)
+        self.init_buffers(self.output.weight.device)
+        for _, init in self.init_parts():
+            init()
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute the rotary tables (float32) on ``device``."""
+        self.rope_cos, self.rope_sin = rope_tables(self.args, device)
+
+    def init_parts(self) -> list[tuple[nn.Module, Callable[[], None]]]:
+        """The parts :meth:`init_weights` initialises, in its order (the embedding, each block,
+        then the final norm and the head), each with the call that initialises that part alone.
+        Materialising and initialising them one at a time, in this order and from the same seed,
+        gives the weights :meth:`init_weights` gives, with one part allocated at a time."""
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        parts = [(self.tok_embeddings, self._init_embedding)]
+        parts += [(b, functools.partial(_init_block, b, residual_std)) for b in self.layers]
+        parts.append((nn.ModuleList([self.norm, self.output]), self._init_head))
+        return parts
+
+    # Each init looks its parameters up when called: materialising a part replaces them.
+    def _init_embedding(self) -> None:
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
-        for layer in self.layers:
-            for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
-                nn.init.normal_(linear.weight, std=0.02)
-            nn.init.normal_(layer.attention.wo.weight, std=residual_std)
-            nn.init.normal_(layer.feed_forward.w1.weight, std=0.02)
-            nn.init.normal_(layer.feed_forward.w3.weight, std=0.02)
-            nn.init.normal_(layer.feed_forward.w2.weight, std=residual_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
+
+    @torch.no_grad()
+    def _init_head(self) -> None:
         self.norm.reset_parameters()
         nn.init.normal_(self.output.weight, std=self.args.dim**-0.5)
+
+
+@torch.no_grad()
+def _init_block(layer: TransformerBlock, residual_std: float) -> None:
+    for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+        nn.init.normal_(linear.weight, std=0.02)
+    nn.init.normal_(layer.attention.wo.weight, std=residual_std)
+    nn.init.normal_(layer.feed_forward.w1.weight, std=0.02)
+    nn.init.normal_(layer.feed_forward.w3.weight, std=0.02)
+    nn.init.normal_(layer.feed_forward.w2.weight, std=residual_std)
+    layer.attention_norm.reset_parameters()
+    layer.ffn_norm.reset_parameters()
 
 
 def build_on_meta(args: TransformerModelArgs) -> Transformer:

@@ -5,12 +5,16 @@ averaged over the ranks, so a step equals one process's step on the whole batch.
 :func:`wrap_model` compiles the blocks and wraps or shards the model; :func:`gradient_sync`
 defers the gradients' communication to the last micro-batch of a step (gradient accumulation).
 The model keeps its blocks in ``model.layers`` (as :class:`effdl.models.llama.Transformer`
-does): the unit of compilation and of FSDP2's sharding.
+does): the unit of compilation and of FSDP2's sharding. A model still on the meta device is
+materialised here from a seed; under FSDP2 part by part, each block sharded as soon as it is
+initialised, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -31,12 +35,19 @@ def wrap_model(
     bucket_cap_mb: float | None = None,
     gradient_as_bucket_view: bool = True,
     broadcast_buffers: bool = False,
+    init_seed: int | None = None,
 ) -> nn.Module:
     """``model`` (on ``device``, the same weights on every rank) made ready for data-parallel
     training on ``world`` ranks: each block of ``model.layers`` compiled (``compile_blocks``),
     then wrapped in DDP (``parallel="ddp"``) or sharded with FSDP2 (``"fsdp"``: ``fully_shard``
     per block, then the root); ``"none"`` returns it unwrapped. Mutates ``model`` (compilation,
     FSDP2's sharding in place); returns the module to train.
+
+    A ``model`` on the meta device (its parameters unallocated) is materialised on ``device``
+    in fp32 from ``init_seed``, through its ``init_parts()`` and ``init_buffers(device)`` (as
+    :class:`effdl.models.llama.Transformer` has them): the same weights as materialising it
+    whole, on every rank; under FSDP2 one part is allocated at a time and each block is sharded
+    right after its initialisation.
 
     Per-block compilation keeps one graph per block, so the gradients of the last blocks are
     ready for communication while earlier blocks still run their backward. ``fsdp_bf16``: FSDP2
@@ -53,14 +64,36 @@ def wrap_model(
         raise ValueError(f"parallel {parallel!r} is not one of {list(PARALLEL_MODES)}")
     if fsdp_bf16 and parallel != "fsdp":
         raise ValueError(f"fsdp_bf16 needs parallel='fsdp', got {parallel!r}")
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and init_seed is None:
+        raise ValueError("a model on the meta device needs init_seed to be materialised")
     if compile_blocks:
         for block in model.layers:
             block.compile()
+    if parallel == "fsdp":
+        _fully_shard(model, device, world, fsdp_bf16, init_seed if on_meta else None)
+        return model
+    if on_meta:
+        _materialize_parts(model, device, init_seed, shard=None)
     if parallel == "ddp":
         return _ddp(model, device, bucket_cap_mb, gradient_as_bucket_view, broadcast_buffers)
-    if parallel == "fsdp":
-        _fully_shard(model, device, world, fsdp_bf16)
     return model
+
+
+def _materialize_parts(
+    model: nn.Module, device: torch.device, seed: int, shard: Callable[[nn.Module], None] | None
+) -> None:
+    """Allocate and initialise the meta ``model``'s parts one by one in fp32 from ``seed``,
+    calling ``shard`` on each block once it is initialised."""
+    blocks = {id(b) for b in model.layers}
+    torch.manual_seed(seed)
+    for part, init in model.init_parts():
+        part.to(dtype=torch.float32)
+        part.to_empty(device=device)
+        init()
+        if shard is not None and id(part) in blocks:
+            shard(part)
+    model.init_buffers(device)
 
 
 def _ddp(
@@ -84,7 +117,9 @@ def _ddp(
     )
 
 
-def _fully_shard(model: nn.Module, device: torch.device, world: int, bf16: bool) -> None:
+def _fully_shard(
+    model: nn.Module, device: torch.device, world: int, bf16: bool, init_seed: int | None
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,9 +129,13 @@ def _fully_shard(model: nn.Module, device: torch.device, world: int, bf16: bool)
         if bf16
         else MixedPrecisionPolicy()
     )
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy)
+    if init_seed is None:
+        for block in model.layers:
+            shard(block)
+    else:
+        _materialize_parts(model, device, init_seed, shard)
+    shard(model)
 
 
 def gradient_sync(model: nn.Module, last_micro_batch: bool) -> AbstractContextManager:

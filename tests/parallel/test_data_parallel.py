@@ -80,21 +80,59 @@ def train(
     return losses
 
 
+def watch_full_tensors(model: Transformer, seen: list[int]) -> None:
+    """Make ``model.init_parts()`` append, at each part's initialisation, how many elements
+    of allocated parameters are whole tensors rather than FSDP2 shards."""
+    parts = model.init_parts
+
+    def whole_elements() -> int:
+        return sum(
+            p.numel() for p in model.parameters() if type(p) is nn.Parameter and not p.is_meta
+        )
+
+    def watched():
+        return [
+            (part, lambda init=init: (init(), seen.append(whole_elements())))
+            for part, init in parts()
+        ]
+
+    model.init_parts = watched
+
+
 def data_parallel_losses(
-    rank: int, world: int, parallel: str, device_type: str = "cpu"
+    rank: int, world: int, parallel: str, device_type: str = "cpu", from_meta: bool = False
 ) -> dict[str, list[float]]:
-    """This rank's per-step losses under ``parallel`` and the one-process reference's."""
+    """This rank's per-step losses under ``parallel`` and the one-process reference's; with
+    ``from_meta`` the model reaches ``wrap_model`` unallocated, with the reference's seed."""
     device = rank_device(rank, device_type)
     batches = global_batches(device)
     reference = train(build(device), batches, 1, 1)
     mine = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
-    model = wrap_model(build(device), parallel, False, False, device, world)
-    return {"losses": train(model, mine, MICRO_BATCHES, world), "reference": reference}
+    whole: list[int] = []
+    if from_meta:
+        model = build_on_meta(ARGS)
+        watch_full_tensors(model, whole)
+        model = wrap_model(model, parallel, False, False, device, world, init_seed=0)
+    else:
+        model = wrap_model(build(device), parallel, False, False, device, world)
+    losses = train(model, mine, MICRO_BATCHES, world)
+    return {"losses": losses, "reference": reference, "whole": whole}
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_training_equals_one_process_on_the_whole_batch(parallel):
-    for rank, got in enumerate(spawn(data_parallel_losses, 2, parallel)):
+@pytest.mark.parametrize(
+    ("parallel", "from_meta"), [("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True)]
+)
+def test_training_equals_one_process_on_the_whole_batch(parallel, from_meta):
+    results = spawn(data_parallel_losses, 2, parallel, "cpu", from_meta)
+    if from_meta and parallel == "fsdp":  # a block is sharded before the next one is allocated
+        block = sum(p.numel() for p in build(torch.device("cpu")).layers[0].parameters())
+        head = ARGS.dim + ARGS.vocab_size * ARGS.dim  # the final norm and the output
+        embedding = ARGS.vocab_size * ARGS.dim
+        for got in results:
+            assert got["whole"] == [embedding] + [embedding + block] * ARGS.n_layers + [
+                embedding + head
+            ]
+    for rank, got in enumerate(results):
         assert got["reference"][-1] < 0.8 * got["reference"][0]  # not a flat comparison
         torch.testing.assert_close(
             got["losses"], got["reference"], rtol=FP32_RTOL, atol=0, msg=f"rank {rank}"
