@@ -100,7 +100,7 @@ def discover(module: ModuleType, script: str, monkeypatch) -> cli.ConfigFlags | 
     with monkeypatch.context() as m:
         m.setattr(cli.ConfigFlags, "resolve", stop)
         m.setattr(sys, "argv", [Path(script).name, *BASE_ARGV])
-        with contextlib.suppress(Accepted, SystemExit):
+        with contextlib.suppress(Accepted, SystemExit, cli.UsageError):  # refused here anyway
             module.main()
     return seen[0] if seen else None
 
