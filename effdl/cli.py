@@ -283,6 +283,41 @@ def require_positive(cfg: Any, *names: str, minimum: float = 1) -> None:
                 raise UsageError(f"{flag_of(name)} must be >= {minimum:g}, got {v!r}")
 
 
+PROCESSES_PER_CORE = 4  # ranks, workers or threads one flag may start per core, oversubscribed
+MIN_PROCESS_CAP = 16  # ... and never fewer than this, on a machine of few cores
+
+
+def process_cap() -> int:
+    """The most processes (ranks, loader workers) or threads one flag may ask for here:
+    :data:`PROCESSES_PER_CORE` per core this process may run on, at least
+    :data:`MIN_PROCESS_CAP`. Past it a run is a fork bomb, not a measurement."""
+    from effdl.parallel.launch import available_cores
+
+    return max(MIN_PROCESS_CAP, PROCESSES_PER_CORE * available_cores())
+
+
+def require_processes(cfg: Any, *names: str, minimum: int = 0) -> None:
+    """UsageError naming the flag unless each field ``names`` of ``cfg`` (a count of processes
+    or threads; every element, for a list; None and ``"auto"`` are left alone) is an integer in
+    [``minimum``, :func:`process_cap`]."""
+    cap = process_cap()
+    for name in names:
+        value = getattr(cfg, name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if v is None or v == AUTO:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise UsageError(f"{flag_of(name)}: expected an integer, got {v!r}")
+            if v < minimum:
+                raise UsageError(f"{flag_of(name)} must be >= {minimum}, got {v}")
+            if v > cap:
+                raise UsageError(
+                    f"{flag_of(name)} {v}: at most {cap} processes or threads on this machine "
+                    f"({PROCESSES_PER_CORE} per core, at least {MIN_PROCESS_CAP})"
+                )
+
+
 def require_multiple(cfg: Any, name: str, of: str) -> None:
     """UsageError naming both flags unless field ``name`` of ``cfg`` is a multiple of field
     ``of`` (e.g. a batch made of whole micro-batches)."""

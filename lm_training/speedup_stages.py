@@ -38,6 +38,7 @@ from effdl.cli import (
     require_choices,
     require_fits,
     require_positive,
+    require_processes,
     run_main,
     start_run,
 )
@@ -85,7 +86,8 @@ class StudyConfig:
     def validate(self) -> None:
         require_positive(self, "steps", "tokens_per_step", "max_length", "d_model", "n_heads")
         require_positive(self, "n_layers", "d_ff", "bpe_vocab", "profile_steps")
-        require_positive(self, "warmup_steps", "workers", minimum=0)
+        require_positive(self, "warmup_steps", minimum=0)
+        require_processes(self, "workers")
         require_positive(self, "lr", minimum=0)
         require_choices(self, "amp_dtype", ("fp16", "bf16"))
         require_choices(self, "layer_norm", tuple(st.LAYER_NORMS))

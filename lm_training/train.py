@@ -36,6 +36,7 @@ from effdl.cli import (
     require_choices,
     require_path,
     require_positive,
+    require_processes,
     run_main,
     seed_everything,
     start_run,
@@ -121,7 +122,8 @@ class TrainConfig:
         require_choices(self, "parallel", ("none", "ddp", "fsdp"))
         require_positive(self, "sequence_length", "batch_size", "grad_accumulation", "steps")
         require_positive(self, "log_every", "eval_batches", "profile_steps", "bpe_vocab")
-        require_positive(self, "warmup_steps", "weight_decay", "grad_clip", "workers", minimum=0)
+        require_positive(self, "warmup_steps", "weight_decay", "grad_clip", minimum=0)
+        require_processes(self, "workers")
         require_positive(self, "eval_every", "timing_warmup", "lr", "min_lr", minimum=0)
         require_positive(self, "ddp_bucket_mb")
         require_positive(self, "stop_after", minimum=0)

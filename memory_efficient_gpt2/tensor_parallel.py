@@ -55,6 +55,7 @@ from effdl.cli import (
     require_choices,
     require_fits,
     require_positive,
+    require_processes,
     run_main,
     start_run,
 )
@@ -112,12 +113,14 @@ class TensorParallelConfig:
         require_choices(self, "backend", BACKENDS)
         require_choices(self, "dtype", DTYPES)
         require_choices(self, "activation", ACTIVATIONS)
+        require_processes(self, "world_size", "sweep_world", minimum=1)
         require_positive(self, "world_size", "steps", "batch", "hidden", "d_model", "heads")
         require_positive(
             self, "sweep_world", "bench_batch", "bench_width", "bench_iters", "bench_rounds"
         )
         require_positive(self, "lr", minimum=0)
-        require_positive(self, "warmup", "threads", minimum=0)
+        require_positive(self, "warmup", minimum=0)
+        require_processes(self, "threads")
         if self.warmup >= self.steps:
             raise UsageError(f"--warmup {self.warmup} leaves no timed step of --steps {self.steps}")
         for world in (*self.world_size, *self.sweep_world):

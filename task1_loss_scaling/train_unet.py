@@ -44,6 +44,7 @@ from effdl.cli import (
     require_fits,
     require_path,
     require_positive,
+    require_processes,
     run_main,
     seed_everything,
     start_run,
@@ -110,8 +111,7 @@ class UNetConfig:
             raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
         numel = (self.n_images + self.batch_size) * 3 * self.size**2
         require_fits("--n-images --batch-size --size", numel, "the decoded images and a batch (a byte per value)", bytes_per_element=1)  # fmt: skip
-        if self.workers is not None:
-            require_positive(self, "workers")
+        require_processes(self, "workers", minimum=1)
 
     def recorded(self, device: torch.device) -> dict:
         """The settings a log record's config carries."""

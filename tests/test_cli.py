@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import effdl.cli as cli
 from effdl.cli import (
     ConfigFlags,
     UsageError,
@@ -17,6 +18,7 @@ from effdl.cli import (
     require_choices,
     require_path,
     require_positive,
+    require_processes,
     resolve_device,
     seed_arg,
     start_run,
@@ -242,3 +244,45 @@ def test_require_memory_names_the_flag_and_what_needs_it():
     require_memory("--n 1", 1.0, "cpu")  # a byte fits
     with pytest.raises(UsageError, match=r"^--n 9: the batch needs at least .* GiB, the host has "):
         require_memory("--n 9", 2.0**70, "cpu", what="the batch")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (10**12, r"^--workers 1000000000000: at most \d+ processes or threads on this machine"),
+        (-1, r"^--workers must be >= 0, got -1$"),
+        (2.5, r"^--workers: expected an integer, got 2.5$"),
+    ],
+)
+def test_require_processes_caps_a_count_by_the_cores(value, message):
+    @dataclass
+    class Demo:
+        workers: object = 0
+
+    with pytest.raises(UsageError, match=message):
+        require_processes(Demo(value), "workers")
+    for fine in (0, None, "auto", cli.process_cap(), [1, 2]):
+        require_processes(Demo(fine), "workers")
+    assert cli.process_cap() >= cli.MIN_PROCESS_CAP
+
+
+@pytest.mark.parametrize(
+    ("script", "flag"),
+    [
+        ("memory_efficient_gpt2/pipeline_parallel.py", "--stages"),
+        ("memory_efficient_gpt2/tensor_parallel.py", "--world-size"),
+        ("task2_batching/train_pipelines.py", "--workers"),
+    ],
+)
+def test_a_process_count_past_the_cap_is_refused_before_any_process_starts(tmp_path, script, flag):
+    """A thousand ranks or loader workers is a fork bomb: refused in one line, nothing written."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / script), "--quick", "--device", "cpu", "--out", str(out),
+         flag, "1000"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert f"{flag} 1000: at most" in line
+    assert not out.exists()

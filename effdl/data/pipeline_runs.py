@@ -22,6 +22,7 @@ from effdl.cli import (
     int_or_auto,
     require_choices,
     require_positive,
+    require_processes,
 )
 from effdl.data.corpus import CorpusFormatError
 from effdl.data.pipelines import PIPELINES, make_loader
@@ -53,8 +54,7 @@ class PipelineRunConfig:
         require_positive(self, "max_length", minimum=2)  # a packed row holds a token and its next
         require_positive(self, "n_layers", "d_model", "n_heads", "d_ff")
         require_choices(self, "dtype", [AUTO, *dtypes])
-        if self.workers != AUTO:
-            require_positive(self, "workers", minimum=0)
+        require_processes(self, "workers")
 
 
 def pipeline_parser(

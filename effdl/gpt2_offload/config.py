@@ -18,6 +18,7 @@ from effdl.cli import (
     require_multiple,
     require_path,
     require_positive,
+    require_processes,
 )
 from effdl.data.stdlib_text import DEFAULT_CACHE
 from effdl.models.gpt2 import MODEL_FOLDER, SHAPES
@@ -98,8 +99,7 @@ class TrainConfig:
                 "reference AdamW decays decoupled (the same update only without decay)"
             )
         self._validate_text()
-        if self.cpu_threads is not None:
-            require_positive(self, "cpu_threads")
+        require_processes(self, "cpu_threads", minimum=1)
         if not self.memory_cap_gib > 0:
             raise UsageError(f"--memory-cap-gib must be > 0, got {self.memory_cap_gib}")
         if self.host_memory_cap_gib is not None and not self.host_memory_cap_gib > 0:

@@ -26,7 +26,13 @@ import torch._dynamo  # (optimizers import it, seconds: once here, not in every 
 import torch.distributed as dist
 from torch import nn
 
-from effdl.cli import UsageError, require_choices, require_fits, require_positive
+from effdl.cli import (
+    UsageError,
+    require_choices,
+    require_fits,
+    require_positive,
+    require_processes,
+)
 from effdl.data.digits import DigitsDataError, load_digits_tensors
 from effdl.parallel.classifiers import epoch_batches, equal_work_mlp, multiply_adds
 from effdl.parallel.launch import round_robin_device, share_cpu, spawn
@@ -83,7 +89,8 @@ class PipelineConfig:
         require_choices(self, "dtype", DTYPES)
         require_positive(self, "micro_batches", "batch", "steps", "hidden", "virtual")
         require_positive(self, "long_micro_batches", "long_micro_batch_size", "long_steps")
-        require_positive(self, "lr", "threads", minimum=0)
+        require_positive(self, "lr", minimum=0)
+        require_processes(self, "threads")
         require_positive(self, "timed_steps")
         rows = max(self.batch, self.long_micro_batch_size * max(self.long_micro_batches))
         require_fits(
@@ -96,7 +103,7 @@ class PipelineConfig:
                 f"--timed-steps {self.timed_steps} must be below --steps {self.steps}: "
                 "the first steps are warm-up, left out of the timing"
             )
-        require_positive(self, "stages", minimum=2)
+        require_processes(self, "stages", minimum=2)
         if self.accumulate and not self.reference:
             raise UsageError("--accumulate applies to --reference only")
         if self.compare_torch and self.schedule not in TORCH_SCHEDULES:

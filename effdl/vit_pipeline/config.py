@@ -22,6 +22,7 @@ from effdl.cli import (
     require_choices,
     require_fits,
     require_positive,
+    require_processes,
 )
 from effdl.models.vit import PRESETS as MODEL_PRESETS
 
@@ -90,10 +91,8 @@ class PipelineConfig:
         )
         if self.max_images is not None:
             require_positive(self, "max_images", minimum=10)
-        if self.workers != AUTO:
-            require_positive(self, "workers", minimum=0)
-        if self.generate_workers is not None:
-            require_positive(self, "generate_workers")
+        require_processes(self, "workers")
+        require_processes(self, "generate_workers", minimum=1)
 
     def recorded(self) -> dict:
         """The settings a log record carries (the data location as a string)."""
