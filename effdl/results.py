@@ -207,13 +207,16 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of one JSONL file (read through gzip when its name ends in ``.gz``).
 
     A last line that is not valid JSON (a write cut short) is skipped with a
-    :class:`DamagedLastLineWarning` naming file and line; any other malformed line raises
-    :class:`ResultsFormatError`.
+    :class:`DamagedLastLineWarning` naming file and line; any other malformed line, and a file
+    that is not UTF-8 text (or not gzip, for ``.gz``), raises :class:`ResultsFormatError`.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:  # not text, or gzip cut short
+        raise ResultsFormatError(f"{path}: not a JSONL run log ({e})") from None
     records = []
     for i, (lineno, line) in enumerate(lines):
         try:

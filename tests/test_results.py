@@ -213,3 +213,20 @@ def test_gzipped_logs_are_read_where_their_plain_name_is_given(tmp_path):
     df = load_results(tmp_path, "b.jsonl")  # the pattern finds the compressed log
     assert list(df["source"]) == ["b.jsonl.gz"]
     assert sorted(load_results(tmp_path)["source"]) == ["a.jsonl", "b.jsonl.gz"]
+
+
+@pytest.mark.parametrize("name", ["log.jsonl", "log.jsonl.gz"])
+def test_a_log_that_is_not_text_is_a_format_error_naming_the_file(tmp_path, name):
+    """Random bytes where a run log is expected (or a gzip cut short): ResultsFormatError naming
+    the file, from read_records and load_results alike."""
+    path = tmp_path / "task" / name
+    path.parent.mkdir()
+    if name.endswith(".gz"):
+        whole = gzip.compress(b'{"a": 1}\n' * 1000)
+        path.write_bytes(whole[: len(whole) // 2])
+    else:
+        path.write_bytes(bytes(range(128, 256)) * 8)
+    with pytest.raises(ResultsFormatError, match=rf"{name}: not a JSONL run log"):
+        read_records(path)
+    with pytest.raises(ResultsFormatError, match=rf"{name}: not a JSONL run log"):
+        load_results(tmp_path)

@@ -50,13 +50,20 @@ def read_text_column(path: str | Path) -> pa.ChunkedArray:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such parquet file (expected a column {TEXT_COLUMN!r})")
-    schema = pq.read_schema(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:  # random bytes, a file cut short
+        raise ValueError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
     if TEXT_COLUMN not in schema.names:
         raise ValueError(
             f"{path}: no column {TEXT_COLUMN!r} (found {schema.names}); expected one string "
             "document per row"
         )
-    column = pq.read_table(path, columns=[TEXT_COLUMN], memory_map=True).column(TEXT_COLUMN)
+    try:
+        table = pq.read_table(path, columns=[TEXT_COLUMN], memory_map=True)
+    except (pa.ArrowException, OSError) as e:  # a footer intact, row groups damaged
+        raise ValueError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+    column = table.column(TEXT_COLUMN)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise ValueError(f"{path}: column {TEXT_COLUMN!r} has type {column.type}, expected string")
     n_rows, n_null = len(column), column.null_count
@@ -69,3 +76,8 @@ def read_text_column(path: str | Path) -> pa.ChunkedArray:
         )
     warn_null_text(path, n_null, n_rows)
     return column
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

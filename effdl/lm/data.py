@@ -92,7 +92,7 @@ def check_text_parquet(path: Path, flag: str) -> None:
     try:
         read_text_column(path)
     except (FileNotFoundError, ValueError) as e:
-        raise UsageError(f"{flag}: {path}: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None  # the message names the file
 
 
 def resolve_data(
@@ -109,12 +109,9 @@ def resolve_data(
             f"--data: {data} is not a file (expected a parquet with a 'text' column or a .txt)"
         )
     train = data if data.suffix == ".parquet" else text_file_parquet(data, cache_dir)
-    try:
-        read_text_column(train)
-        if eval_data is not None:
-            read_text_column(eval_data)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(f"--data/--eval-data: {e}") from None
+    check_text_parquet(train, "--data")
+    if eval_data is not None:
+        check_text_parquet(eval_data, "--eval-data")
     return DataSource(data.name, train, eval_data)
 
 

@@ -86,6 +86,24 @@ def test_parquet_errors_name_the_file(tmp_path, bpe):
         ParquetDataset(ints, bpe, 8)
 
 
+@pytest.mark.parametrize("damage", ["random-bytes", "truncated", "row-groups"])
+def test_a_damaged_parquet_is_a_value_error_naming_the_file(tmp_path, bpe, damage):
+    """Random bytes, a file cut short, or a footer intact over damaged row groups: one ValueError
+    naming the file, not pyarrow's error without it."""
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.table({"text": [f"document {i} " * 20 for i in range(300)]}), whole)
+    data, bad = whole.read_bytes(), tmp_path / "bad.parquet"
+    if damage == "random-bytes":
+        bad.write_bytes(np.random.default_rng(0).bytes(4096))
+    elif damage == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    else:  # overwrite the first column chunk, keep the footer
+        bad.write_bytes(data[:4] + bytes(len(data) // 2) + data[4 + len(data) // 2 :])
+    for dataset in (ParquetDataset, IterableParquetDataset):
+        with pytest.raises(ValueError, match=r"bad\.parquet: not a readable parquet file \("):
+            dataset(bad, bpe, 8)
+
+
 def test_collator_hand_computed_example():
     batch = CollatorForCLM(seq_len=4, pad_id=0)(
         [{"input_ids": [5, 6, 7]}, {"input_ids": [1, 2, 3, 4, 5]}, {"input_ids": [9]}]
