@@ -319,74 +319,66 @@ def main() -> None:
 
 
 def learning_curves(cfg, data: DigitsData, seed: int, run, leader: bool) -> None:
-    source = data.source
-    rows = []
+    """Per level the reference and its halves twin, then each parallel run, each logged as it
+    finishes (by rank 0 under torchrun, where the other ranks train the parallel runs only)."""
+    log, rows = run.logs[Path(LOGS["curves"]).stem] if leader else None, []
     for level in cfg.level:
-        parallel = {} if cfg.reference else {
-            w: train_parallel(level, w, cfg, data, seed) for w in cfg.world_size
-        }  # fmt: skip
-        if not leader:
-            continue
-        device = reference_device(cfg, run)
-        reference, halves = train_reference(level, cfg, data, seed, device, parts=(1, 2))
-        log = run.logs[Path(LOGS["curves"]).stem]
-        log.log(f"{level}_reference", run_config(level, 1, cfg, source), reference.metrics())
-        rows.append(summary_row(level, "reference", reference))
-        gap = halves.max_relative_gap(reference)
-        metrics = {**halves.metrics(), "max_rel_gap_vs_reference": gap}
-        log.log(f"{level}_reference_halves", run_config(level, 1, cfg, source), metrics)
-        rows.append({**summary_row(level, "reference, halves", halves), "max_rel_gap": gap})
-        for world, result in parallel.items():
-            gap = result.max_relative_gap(reference)
-            metrics = {**result.metrics(), "max_rel_gap_vs_reference": gap}
-            log.log(f"{level}_parallel", run_config(level, world, cfg, source), metrics)
-            rows.append({**summary_row(level, f"parallel x{world}", result), "max_rel_gap": gap})
+        if leader:
+            device, config = reference_device(cfg, run), run_config(level, 1, cfg, data.source)
+            reference, halves = train_reference(level, cfg, data, seed, device, parts=(1, 2))
+            log_run(log, rows, config, "reference", reference)
+            log_run(log, rows, config, "reference, halves", halves, reference)
+        for world in () if cfg.reference else cfg.world_size:
+            result = train_parallel(level, world, cfg, data, seed)
+            if leader:
+                config = run_config(level, world, cfg, data.source)
+                log_run(log, rows, config, f"parallel x{world}", result, reference)
     if leader:
-        print_table(rows, title=f"{source}, {cfg.steps} steps on {run.where} ({cfg.dtype})")
+        print_table(rows, title=f"{data.source}, {cfg.steps} steps on {run.where} ({cfg.dtype})")
 
 
-def summary_row(level: str, mode: str, result: TrainResult) -> dict:
-    return {
-        "level": level,
-        "mode": mode,
-        "first_loss": result.losses[0],
-        "final_loss": result.losses[-1],
-        "test_acc": result.test_accuracy,
+def log_run(log, rows: list, config: dict, mode: str, result: TrainResult,
+            reference: TrainResult | None = None) -> None:  # fmt: skip
+    """Log one finished run as ``<level>_<mode>`` (``reference``, ``reference_halves`` or
+    ``parallel``), with its largest relative gap to ``reference`` when given, and add its
+    table row to ``rows``."""
+    level = config["level"]
+    metrics = result.metrics()
+    row = {
+        "level": level, "mode": mode, "first_loss": result.losses[0],
+        "final_loss": result.losses[-1], "test_acc": result.test_accuracy,
         "step_ms": result.step_time.median * 1e3,
-    }
+    }  # fmt: skip
+    if reference is not None:
+        gap = result.max_relative_gap(reference)
+        metrics["max_rel_gap_vs_reference"] = row["max_rel_gap"] = gap
+    log.log(f"{level}_{mode.split(' x')[0].replace(', ', '_')}", config, metrics)
+    rows.append(row)
 
 
 def sweep_world(cfg, data: DigitsData, seed: int, run) -> None:
-    source = data.source
     if dist.is_initialized():
         raise UsageError("--sweep-world starts its own processes: run it without torchrun")
     log, rows = run.logs[Path(LOGS["step_time"]).stem], []
     for level in cfg.level:
         (reference,) = train_reference(level, cfg, data, seed, reference_device(cfg, run))
-        results = {"reference": (1, reference)}
-        results |= {
-            f"parallel x{w}": (w, train_parallel(level, w, cfg, data, seed))
-            for w in cfg.sweep_world
-        }
-        for mode, (world, result) in results.items():
-            variant = f"{level}_{mode.split()[0]}"
-            log.log(variant, run_config(level, world, cfg, source), result.metrics())
-            rows.append(summary_row(level, mode, result))
+        log_run(log, rows, run_config(level, 1, cfg, data.source), "reference", reference)
+        for w in cfg.sweep_world:
+            result = train_parallel(level, w, cfg, data, seed)
+            log_run(log, rows, run_config(level, w, cfg, data.source), f"parallel x{w}", result)
     print_table(rows, title=f"step time vs world size on {run.where} ({os.cpu_count()} cores)")
 
 
 def compare_dtensor(cfg, seed: int, run, leader: bool) -> None:
-    rows_per_world = {}
+    log, table = run.logs[Path(LOGS["dtensor"]).stem] if leader else None, []
     for world in cfg.world_size:
         if dist.is_initialized():
-            rows_per_world[world] = time_mlps(dist.get_rank(), world, cfg, seed)
+            rows = time_mlps(dist.get_rank(), world, cfg, seed)
         else:
-            rows_per_world[world] = spawn(time_mlps, world, cfg, seed, backend=cfg.backend)[0]
-    if not leader:
-        return
-    log, table = run.logs[Path(LOGS["dtensor"]).stem], []
-    for world, rows in rows_per_world.items():
-        for row in rows:
+            rows = spawn(time_mlps, world, cfg, seed, backend=cfg.backend)[0]
+        if not leader:
+            continue
+        for row in rows:  # logged as each world size is measured
             config = {"world_size": world, "batch": cfg.bench_batch, "width": row["width"],
                       "hidden": 4 * row["width"], "dtype": cfg.dtype, "backend": cfg.backend,
                       "iters": cfg.bench_iters, "warmup": cfg.warmup,
@@ -395,7 +387,8 @@ def compare_dtensor(cfg, seed: int, run, leader: bool) -> None:
             log.log(f"mlp_{row['impl']}", config, metrics)
             table.append({"world": world, "width": row["width"], "impl": row["impl"],
                           "median_ms": row["fwd_bwd_ms_median"]})  # fmt: skip
-    print_table(table, title=f"MLP forward+backward, ours vs DTensor, on {run.where}")
+    if leader:
+        print_table(table, title=f"MLP forward+backward, ours vs DTensor, on {run.where}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from effdl.results import read_records
+from tests.interrupting import interrupt_after, whole_records
 from tests.script_loading import ROOT
 
 SCRIPT = ROOT / "memory_efficient_gpt2" / "tensor_parallel.py"
@@ -65,3 +66,16 @@ def test_missing_cifar_folder_is_one_line_usage_error(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0
     assert "--data:" in done.stderr and "data_batch_1 is missing" in done.stderr
+
+
+def test_an_interrupted_run_keeps_the_runs_it_finished(tmp_path):
+    """Ctrl-C while the parallel run trains: exit 130, and the log holds the reference and its
+    halves twin, logged as each finished, whole."""
+    log = tmp_path / "tensor_parallel_curves.jsonl"
+    args = ["--quick", "--level", "mlp", "norm", "--steps", "1000", "--out", str(tmp_path)]
+    code, err = interrupt_after(SCRIPT, args, log, records=2, delay=1.0)
+    assert code == 130, err
+    records = whole_records(log)
+    assert [r["variant"] for r in records] == ["mlp_reference", "mlp_reference_halves"]
+    assert all(len(r["metrics"]["losses"]) == 1000 for r in records)
+    assert records[1]["metrics"]["max_rel_gap_vs_reference"] >= 0
