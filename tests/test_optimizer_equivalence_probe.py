@@ -10,6 +10,7 @@ import torch
 
 from effdl.cli import run_main
 from effdl.results import read_records
+from tests.interrupting import whole_records
 from tests.script_loading import load_script
 
 probe = load_script("memory_efficient_gpt2/probes", "optimizer_equivalence")
@@ -27,7 +28,13 @@ def run_quick(tmp_path, monkeypatch, *argv: str) -> list[dict]:
 
 def test_quick_run_logs_four_runs_and_their_gaps_to_the_reference(tmp_path, monkeypatch):
     records = run_quick(tmp_path, monkeypatch, "--device", "cpu")
-    assert [r["variant"] for r in records] == [*probe.RUNS, "summary"]
+    steps = probe.QUICK.steps
+    assert [r["variant"] for r in records] == [
+        *(v for name in probe.RUNS for v in [f"{name}_step"] * steps + [name]),
+        "summary",
+    ]
+    step_records = [r for r in records if r["variant"].endswith("_step")]
+    records = [r for r in records if not r["variant"].endswith("_step")]
     runs = {r["variant"]: r["metrics"] for r in records[:-1]}
     ref = runs[probe.REFERENCE]
     steps = records[0]["config"]["steps"]
@@ -46,6 +53,38 @@ def test_quick_run_logs_four_runs_and_their_gaps_to_the_reference(tmp_path, monk
     level3 = records[probe.RUNS.index("offload_level3")]["config"]
     assert (level3["moments"], level3["grad_accumulation_dtype"]) == ("int8", "bf16")
     assert summary[probe.REORDERED]["mean_abs_gap"] > 0 < summary["offload_level3"]["mean_abs_gap"]
+    for name, metrics in runs.items():  # the step records carry the run's curves, step by step
+        logged = [r["metrics"] for r in step_records if r["variant"] == f"{name}_step"]
+        assert [m["step"] for m in logged] == list(range(steps))
+        assert [m["tracking_loss"] for m in logged] == metrics["tracking_loss"]
+        assert [m["train_loss"] for m in logged] == metrics["train_loss"]
+
+
+def test_an_interrupted_run_keeps_the_steps_and_runs_it_finished(tmp_path, monkeypatch):
+    """Ctrl-C in the second run's third step: exit 130, and the log holds every step of the
+    first run, its run record, and the second run's first two steps, as whole records."""
+    lr_at, calls = probe.lr_at, itertools.count(1)
+
+    def interrupted_lr_at(step, cfg):
+        if next(calls) == probe.QUICK.steps + 3:
+            raise KeyboardInterrupt
+        return lr_at(step, cfg)
+
+    monkeypatch.setattr(probe, "lr_at", interrupted_lr_at)
+    monkeypatch.setattr(sys, "argv", ["optimizer_equivalence.py", "--quick", "--device", "cpu",
+                                      "--out", str(tmp_path), "--cache", str(tmp_path / "cache")])  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        run_main(probe.main)
+    assert e.value.code == 130
+    records = whole_records(tmp_path / "optimizer_equivalence.jsonl")
+    first, second = probe.RUNS[:2]
+    assert [r["variant"] for r in records] == (
+        [f"{first}_step"] * probe.QUICK.steps + [first] + [f"{second}_step"] * 2
+    )
+    assert [r["metrics"]["step"] for r in records[-2:]] == [0, 1]
+    assert records[probe.QUICK.steps]["metrics"]["tracking_loss"] == [
+        r["metrics"]["tracking_loss"] for r in records[: probe.QUICK.steps]
+    ]
 
 
 def test_lr_warms_up_linearly_then_decays_to_a_tenth():

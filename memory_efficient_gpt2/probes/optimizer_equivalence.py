@@ -15,8 +15,10 @@ The working weights are fp32 in every run, so the optimizer (moments, accumulato
 difference between the reference and the offloaded runs. Before every step each run's loss on
 one fixed held-out batch is recorded (the tracking loss: the same tokens for every run, so its
 gaps measure how far the models are apart, not which batch they saw); after the last step, the
-loss on ``--eval-batches`` held-out batches. The summary record gives, for each run, the mean
-and max |tracking-loss gap| to the reference and the final held-out loss.
+loss on ``--eval-batches`` held-out batches. Each step is logged as it ends (``<run>_step``:
+step, lr, tracking and training loss), each run as it ends (``<run>``: its curves, held-out
+loss, seconds); the summary record gives, for each run, the mean and max |tracking-loss gap| to
+the reference and the final held-out loss.
 
     python memory_efficient_gpt2/probes/optimizer_equivalence.py --out runs/gpt2   # CPU, ~8 min
     python memory_efficient_gpt2/probes/optimizer_equivalence.py --device cuda --out runs/gpt2
@@ -25,6 +27,7 @@ and max |tracking-loss gap| to the reference and the final held-out loss.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -202,8 +205,16 @@ def mean_loss(model: torch.nn.Module, batches: Tensor, micro_batch: int) -> floa
     )
 
 
-def train(name: str, data: ProbeData, cfg: ProbeConfig, device: torch.device, seed: int) -> dict:
-    """One run: per-step training and tracking losses, final held-out loss, seconds."""
+def train(
+    name: str,
+    data: ProbeData,
+    cfg: ProbeConfig,
+    device: torch.device,
+    seed: int,
+    log_step: Callable[[dict], None],
+) -> dict:
+    """One run: per-step training and tracking losses, final held-out loss, seconds. Each step's
+    losses go to ``log_step`` as the step ends, so an interrupted run keeps the steps it made."""
     model = build_model(cfg, data.vocab_size, seed)
     update, close = make_optimizer(name, model, cfg, device)
     order_seed = 1 if name == REORDERED else 0
@@ -216,8 +227,11 @@ def train(name: str, data: ProbeData, cfg: ProbeConfig, device: torch.device, se
         tracking_losses.append(mean_loss(model, tracking, cfg.micro_batch))
         batch = data.train[order[step * per_step : (step + 1) * per_step]].to(device)
         losses = [lm_loss(model, mb) / cfg.micro_batches for mb in batch.split(cfg.micro_batch)]
-        update(losses, lr_at(step, cfg))
+        lr = lr_at(step, cfg)
+        update(losses, lr)
         train_losses.append(float(sum(loss.detach() for loss in losses)))
+        log_step({"step": step, "lr": lr, "tracking_loss": tracking_losses[-1],
+                  "train_loss": train_losses[-1]})  # fmt: skip
     seconds = time.perf_counter() - start
     close()
     return {
@@ -260,8 +274,10 @@ def main() -> None:
               "threads": torch.get_num_threads(), "data": "real (stdlib text)"}  # fmt: skip
     results = {}
     for name in RUNS:
-        results[name] = train(name, data, cfg, run.device, args.seed)
-        run.log.log(name, {**config, **offload_settings(name, run.device)}, results[name])
+        at = {**config, **offload_settings(name, run.device)}
+        log_step = functools.partial(run.log.log, f"{name}_step", at)
+        results[name] = train(name, data, cfg, run.device, args.seed, log_step)
+        run.log.log(name, at, results[name])
         print(f"{name}: {results[name]['seconds']:.0f} s", flush=True)
     summary = gap_summary(results)
     run.log.log("summary", config, summary)
