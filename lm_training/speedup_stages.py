@@ -39,6 +39,7 @@ from effdl.cli import (
     require_fits,
     require_positive,
     require_processes,
+    require_writable_folder,
     run_main,
     start_run,
 )
@@ -168,7 +169,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Study
               help="what the fused_layer_norm stage swaps in; torch: its kernel in the"
                    " activations' dtype (the ablation)")  # fmt: skip
     args = p.parse_args(argv)
-    return args, flags.resolve(args)
+    cfg = flags.resolve(args)
+    if args.trace_dir is not None:
+        require_writable_folder(args.trace_dir, "--trace-dir")
+    return args, cfg
 
 
 # ------------------------------------------------------------------------------------- data

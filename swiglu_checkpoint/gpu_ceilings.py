@@ -52,6 +52,7 @@ class CeilingsConfig:
         require_fits("--sizes", 3 * max(self.sizes) ** 2, "the product's three n x n matrices")
         if not self.copy_gib > 0:
             raise UsageError(f"--copy-gib must be > 0, got {self.copy_gib}")
+        require_fits("--copy-gib", 2 * self.copy_gib * 2**30, "the copy's source and target", 1)
 
 
 FULL = CeilingsConfig()

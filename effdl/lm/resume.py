@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from effdl.parallel.activation_checkpoint import ActivationCheckpointPolicy
-from effdl.parallel.checkpoint import load_checkpoint, rng_states, save_checkpoint, set_rng_states
+from effdl.parallel.checkpoint import (
+    checkpoint_info,
+    load_checkpoint,
+    rng_states,
+    save_checkpoint,
+    set_rng_states,
+)
 
 
 def flag_problem(
@@ -28,8 +34,13 @@ def flag_problem(
         return f"--activation-checkpoint: {e}"
     if precision == "master" and (save or resume):
         return "--save and --resume need torch's optimizer (not --precision master)"
-    if resume is not None and not resume.is_dir():
-        return f"--resume {resume}: no such checkpoint folder"
+    if resume is not None:
+        try:
+            checkpoint_info(resume)
+        except FileNotFoundError:
+            return f"--resume {resume}: no such checkpoint folder"
+        except ValueError as e:
+            return f"--resume: {e}"
     return None
 
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from effdl.cli import base_parser, print_table, run_main, start_run
+from effdl.cli import base_parser, print_table, require_fits, require_positive, run_main, start_run
 from effdl.optim import CPUOffloadAdam
 
 
@@ -58,6 +58,11 @@ def main() -> None:
     p.add_argument("--bucket-numel", type=int, default=2**25, help="CPUOffloadAdam buckets")
     p.add_argument("--steps", type=int, default=4, help="steps per variant (first: warm-up)")
     args = p.parse_args()
+    require_positive(args, "values", "tensor_numel", "bucket_numel")
+    require_positive(args, "steps")
+    require_fits(
+        "--values", (2**22 if args.quick else args.values) * 4, "the fp32 values and their state"
+    )
     run = start_run(args, task="gpt2", logs="int8_update_speed.jsonl")
     values = 2**22 if args.quick else args.values
     tensor_numel = min(args.tensor_numel, values)

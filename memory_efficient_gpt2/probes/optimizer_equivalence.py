@@ -40,6 +40,7 @@ from torch import Tensor
 
 from effdl.cli import (
     ConfigFlags,
+    UsageError,
     base_parser,
     print_table,
     require_fits,
@@ -79,6 +80,8 @@ class ProbeConfig:
         require_positive(self, "micro_batches", "bpe_vocab", "corpus_bytes", "eval_batches")
         require_positive(self, "lr", minimum=0)
         require_positive(self, "warmup", minimum=0)
+        if self.d_model % self.heads:
+            raise UsageError(f"--d-model {self.d_model} must divide by --heads {self.heads}")
         require_fits(
             "--layers --d-model --micro-batch --seq",
             self.layers * self.d_model * (12 * self.d_model + self.micro_batch * self.seq),

@@ -17,7 +17,7 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from effdl.cli import base_parser, print_table, run_main, start_run
+from effdl.cli import base_parser, print_table, require_fits, require_positive, run_main, start_run
 from effdl.models.swiglu import Checkpointed, MLPStack, SwigluMLP
 from effdl.ops.swiglu import CheckpointLevel, MemoryOptimizedSwigluMLP
 from effdl.profiling.flops import MatmulCounter
@@ -59,6 +59,8 @@ def main() -> None:
     p = base_parser(__doc__.splitlines()[0], default_out="runs/swiglu")
     p.add_argument("--layers", type=int, default=3)
     args = p.parse_args()
+    require_positive(args, "layers")
+    require_fits("--layers", args.layers * 3 * 1024 * 4096, "the layers' weights")
     run = start_run(args, task="swiglu", logs="gemm_kernel_count.jsonl")
     cuda = run.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
