@@ -399,13 +399,19 @@ def print_table(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> 
     print(format_table(rows), flush=True)
 
 
+def one_line(text: str) -> str:
+    """``text`` with its lines joined by spaces: an error quoting a library's message of several
+    lines still reads as one line."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a script's ``main`` and exit; usage errors print one line to stderr and exit 2."""
     prog = Path(sys.argv[0]).name
     try:
         code = main()
     except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(e))}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -37,3 +37,37 @@ def test_a_value_the_run_cannot_use_is_refused_before_any_work(tmp_path, script,
     (line,) = done.stderr.strip().splitlines()
     assert message.format(**names) in line
     assert not out.exists() or not any(p.is_file() for p in out.rglob("*"))
+
+
+def test_a_usage_error_of_several_lines_is_printed_as_one(monkeypatch, capsys):
+    """A library's message of several lines, quoted in a UsageError, still ends as one line."""
+    import effdl.cli as cli
+
+    def main():
+        raise cli.UsageError("--tokenizer: cannot load it (one of:\n(1) a file,\n(2) a class)")
+
+    monkeypatch.setattr(sys, "argv", ["demo.py"])
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(main)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "demo.py: error: --tokenizer: cannot load it (one of: (1) a file, (2) a class)\n"
+
+
+def test_a_model_folder_of_another_shape_is_one_line_without_transformers_warnings(tmp_path):
+    """transformers warns about a config's token ids before the shape check refuses it: only the
+    refusal reaches stderr."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        '{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 128,'
+        ' "vocab_size": 300}'
+    )
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "memory_efficient_gpt2/train.py"), "--quick", "--device",
+         "cpu", "--out", str(tmp_path / "out"), "--model-path", str(folder)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"train.py: error: --model-path: {folder}/config.json describes")

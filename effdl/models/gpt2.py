@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
@@ -209,6 +210,19 @@ def save_gpt2_folder(
     return folder
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' logging at errors only, inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def check_model_folder(folder: Path, size: str):
     """The ``GPT2Config`` of the local folder ``folder``, checked against ``size`` (a key of
     :data:`SHAPES`) without loading any weights. :class:`ModelFolderError` for what
@@ -230,7 +244,8 @@ def check_model_folder(folder: Path, size: str):
     if model_type != "gpt2":
         raise ModelFolderError(f"{config_file} has model_type {model_type!r}, expected 'gpt2'")
     try:
-        config = GPT2Config.from_dict(raw)
+        with _quiet_transformers():  # its warnings about the config would precede our error
+            config = GPT2Config.from_dict(raw)
     except (TypeError, ValueError) as e:
         raise ModelFolderError(f"{config_file}: not a GPT-2 config ({e})") from None
     keys = ("n_layer", "n_embd", "n_head", "vocab_size")
