@@ -203,11 +203,12 @@ def resident_steps(trainer: vp.Trainer, x, y, n: int, step: Callable[[], None]) 
         step()
 
 
-def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
+def compare_layers(trainer: vp.Trainer, x, y, args) -> Iterator[tuple[str, list[dict]]]:
     """Each module's forward time per call from Profile and from torch.profiler (module ranges)
-    on the same resident batch and schedule, two ways: both recording the same iterations
-    (Profile's stamps inside the ranges: one execution, one set of kernels), and in separate
-    passes, torch.profiler's then Profile's (neither pays for the other's hooks, but clocks,
+    on the same resident batch and schedule, yielded as each comparison is measured (so each is
+    logged before the next starts), two ways: both recording the same iterations (Profile's
+    stamps inside the ranges: one execution, one set of kernels), and in separate passes,
+    torch.profiler's then Profile's (neither pays for the other's hooks, but clocks,
     temperature and the profiler's own start-up may differ between the passes). With
     ``--compare-sample-every n`` > 1, a third: the same iterations, ``n`` or more of them, with
     Profile hooking one n-th of the modules per step (each module's time from the steps it was
@@ -229,12 +230,12 @@ def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
     # The ranges' hooks are registered first: Profile's stamps run inside each range.
     with module_ranges(trainer.model), torch_profiler() as ref, layer_profile() as prof:
         resident_steps(trainer, x, y, n, lambda: (ref.step(), prof.step()))
-    same = layer_comparison(ref, prof.records())
+    yield "same_iterations", layer_comparison(ref, prof.records())
     with module_ranges(trainer.model), torch_profiler() as ref:
         resident_steps(trainer, x, y, n, ref.step)
     with layer_profile() as prof:
         resident_steps(trainer, x, y, n, prof.step)
-    compared = {"same_iterations": same, "separate_passes": layer_comparison(ref, prof.records())}
+    yield "separate_passes", layer_comparison(ref, prof.records())
     every = args.compare_sample_every
     if every > 1:
         active = max(args.active, every)
@@ -245,8 +246,7 @@ def compare_layers(trainer: vp.Trainer, x, y, args) -> dict[str, list[dict]]:
             layer_profile(active, every) as prof,
         ):
             resident_steps(trainer, x, y, steps, lambda: (ref.step(), prof.step()))
-        compared["same_iterations_sampled"] = layer_comparison(ref, prof.records())
-    return compared
+        yield "same_iterations_sampled", layer_comparison(ref, prof.records())
 
 
 def profile_overhead(
@@ -343,8 +343,7 @@ def main() -> None:
     for batch_size, (x, y) in resident.items():
         at = {**config, "resident_batch": batch_size}
         if batch_size == compare_batch:
-            compared = compare_layers(trainer, x, y, args)
-            for comparison, rows in compared.items():
+            for comparison, rows in compare_layers(trainer, x, y, args):  # logged as measured
                 every = args.compare_sample_every if comparison.endswith("_sampled") else 1
                 cmp = {"comparison": comparison, "sample_every": every}
                 for row in rows:

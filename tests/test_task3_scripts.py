@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from effdl.cli import UsageError
+from effdl.cli import UsageError, run_main
 from effdl.data.clothing import (
     DeviceNormalize,
     fixed_transforms,
@@ -20,6 +20,7 @@ from effdl.data.clothing import (
 )
 from effdl.results import read_records
 from effdl.vit_pipeline.profiling import agreement
+from tests.interrupting import whole_records
 from tests.script_loading import load_script as load_task_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -315,6 +316,36 @@ def test_quick_profile_writes_every_record_kind(tmp_path, data_cache):
         assert len(r["metrics"]["round_overheads"]) == r["metrics"]["rounds"]
     for name in ("fixed_ops.txt", "fixed_torch_trace.json", "fixed_layers_trace.json"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_an_interrupted_profile_keeps_the_comparisons_it_finished(
+    tmp_path, data_cache, monkeypatch
+):
+    """Ctrl-C while the second layer comparison is computed: exit 130, and the log holds the
+    first comparison's records, written as it was measured, whole."""
+    profile_model, calls = load_script("profile_model"), []
+
+    def interrupted(ref, records):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return layer_comparison(ref, records)
+
+    layer_comparison = profile_model.layer_comparison
+    monkeypatch.setattr(profile_model, "layer_comparison", interrupted)
+    monkeypatch.setattr(sys, "argv", ["profile_model.py", "--quick", "--pipeline", "fixed",
+                        "--max-images", "40", "--data-cache", str(data_cache), "--out",
+                        str(tmp_path), "--wait", "0", "--warmup", "0", "--active", "1",
+                        "--batch-size", "4"])  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        run_main(profile_model.main)
+    assert e.value.code == 130
+    records = whole_records(tmp_path / "vit_profile_ops.jsonl")
+    kinds = [r["config"]["kind"] for r in records]
+    assert {"module", "op", "range", "layer_compare", "layer_agreement"} == set(kinds)
+    assert kinds[-1] == "layer_agreement" and "overhead" not in kinds
+    compared = {r["config"]["comparison"] for r in records if "comparison" in r["config"]}
+    assert compared == {"same_iterations"}
 
 
 def test_layer_agreement_counts_modules_over_1_ms_within_10_percent():
