@@ -10,10 +10,11 @@ arithmetic. ``--noise-seeds N`` reruns the reference with N other init seeds (sa
 show how far two correct runs drift apart: own Autocast's curve should stay within that spread.
 
 Logged to ``--out``/lm_precision.jsonl (variant = setup; ``config.kind`` says the record type):
-``step`` (loss, accuracy, scale, skipped), ``final`` (held-out loss/accuracy, diverged flag,
-gaps to the reference), ``timing`` (one training step = forward + loss + scaled backward +
-unscale/skip check/optimizer step, and its gradient computation within it, on one fixed batch,
-with the benchmark harness: setups side by side, rotating rounds after a warm-up; median).
+``step`` (loss, accuracy, scale, skipped), ``run`` (held-out loss/accuracy, diverged flag: each
+run as it ends), ``final`` (the same and the gaps to the reference, after all runs), ``timing``
+(one training step = forward + loss + scaled backward + unscale/skip check/optimizer step, and
+its gradient computation within it, on one fixed batch, with the benchmark harness: setups side
+by side, rotating rounds after a warm-up; median).
 
 A run whose training loss turns non-finite is stopped at the next check (every 25 steps) and
 marked diverged; the script goes on. Note for ``pure_fp16``: AdamW keeps its moments in fp16
@@ -208,7 +209,7 @@ def build(setup: str, seed: int, cfg: LMPrecisionConfig, vocab_size: int, device
 
 def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run,
               data: LMData) -> dict:  # fmt: skip
-    """Train one setup; log every step and a final record; return the summary and the curve."""
+    """Train one setup; log every step and the run's record; return the summary and the curve."""
     model, optimizer, prec = build(setup, seed, cfg, len(data.vocab), run.device)
     loss_fn, acc_fn = LMCrossEntropyLoss(), LMAccuracy()
     losses, accs, scales, skipped = [], [], [], []
@@ -240,10 +241,9 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
                 diverged_at = len(losses) - len(window) + bad
                 break
     losses_h, accs_h = torch.stack(losses).tolist(), torch.stack(accs).tolist()
+    val_loss = val_acc = math.nan
     if diverged_at is None:
         val_loss, val_acc = lm_heldout_metrics(model, data.heldout, prec)
-    else:
-        val_loss = val_acc = float("nan")
     diverged = diverged_at is not None or not math.isfinite(val_loss)
     summary = {
         "heldout_loss": val_loss,
@@ -256,7 +256,7 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
         "skipped_steps": int(sum(skipped)),
         "final_scale": scales[-1],
     }
-    del model, optimizer
+    run.log.log(setup, {**config, "kind": "run"}, summary)  # the final record needs every run
     return {"setup": setup, "seed": seed, "role": role, "config": config, **summary,
             "curve": np.asarray(losses_h)}  # fmt: skip
 

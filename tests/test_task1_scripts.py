@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import math
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from PIL import Image
 from effdl.cli import UsageError, run_main
 from effdl.data.images import SyntheticCarvanaConfig, generate_synthetic_carvana
 from effdl.results import read_records
+from tests.interrupting import whole_records
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK1 = ROOT / "task1_loss_scaling"
@@ -180,3 +182,26 @@ def test_a_killed_lm_run_keeps_every_checked_step_on_disk(tmp_path, monkeypatch,
     records = read_records(tmp_path / "lm_precision.jsonl")
     assert [r["metrics"]["step"] for r in records] == list(range(lm.CHECK_EVERY))
     assert all(r["config"]["kind"] == "step" for r in records)
+
+
+def test_an_interrupted_lm_run_keeps_the_record_of_each_finished_run(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the second run's second step: exit 130, and the log holds the first run's steps
+    and its held-out record, written as it ended (its ``final`` record needs every run)."""
+    step, calls = lm.scaled_step, []
+
+    def interrupted_in_the_second_run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == lm.QUICK.steps + 2:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "scaled_step", interrupted_in_the_second_run)
+    argv = ["--n-samples", "300", "--d-model", "16", "--setups", "fp32", "amp_dynamic"]
+    code, err = run_script(lm, argv, tmp_path, monkeypatch, capsys)
+    assert code == 130 and err[-1].endswith("lm_precision.py: interrupted"), err
+    records = whole_records(tmp_path / "lm_precision.jsonl")
+    assert [r["config"]["kind"] for r in records] == ["step"] * lm.QUICK.steps + ["run"]
+    assert {r["variant"] for r in records} == {"fp32"}
+    run = records[-1]["metrics"]
+    assert run["steps_done"] == lm.QUICK.steps and not run["diverged"]
+    assert math.isfinite(run["heldout_loss"]) and 0 <= run["heldout_accuracy"] <= 1
