@@ -10,14 +10,10 @@ kernel. The single-process references run in this process (restoring its thread 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +25,7 @@ from effdl.parallel.launch import cpu_threads
 from effdl.parallel.pipeline import BACKWARD, SCHEDULES, bubble_fraction, split_sequential
 from effdl.parallel.pipeline_training import PipelineConfig
 from effdl.results import read_records
+from tests.interrupting import interrupt_after, whole_records
 from tests.script_loading import ROOT, load_script
 
 SCRIPT = ROOT / "memory_efficient_gpt2" / "pipeline_parallel.py"
@@ -105,31 +102,12 @@ def test_an_interrupted_run_keeps_the_records_of_its_steps(tmp_path):
     """Ctrl-C (SIGINT to the script and its ranks) once the log has two steps: exit 130, and
     the log holds whole records of the first steps in order, written as they were measured;
     no summary (the run did not finish)."""
-    log, stderr = tmp_path / pipeline_parallel.LOG, tmp_path / "stderr.txt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--steps", "100000", "--out", str(tmp_path)]
-    with stderr.open("w") as err_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err_file,
-                                start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 90
-        while proc.poll() is None and time.monotonic() < deadline:
-            if log.exists() and log.read_bytes().count(b"\n") >= 2:
-                break
-            time.sleep(0.05)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
-        proc.wait()
-    err = stderr.read_text()
-    assert proc.returncode == 130, err
+    log = tmp_path / pipeline_parallel.LOG
+    args = ["--quick", "--steps", "100000", "--out", str(tmp_path)]
+    code, err = interrupt_after(SCRIPT, args, log, records=2, timeout=90)
+    assert code == 130, err
     assert err.strip().splitlines()[-1] == "pipeline_parallel.py: interrupted"
-    text = log.read_text()
-    assert text.endswith("\n")
-    records = [json.loads(line) for line in text.splitlines()]  # every line a whole record
+    records = whole_records(log)  # every line a whole record
     assert len(records) >= 2 and {r["variant"] for r in records} == {"1f1b"}
     assert [r["metrics"]["step"] for r in records] == list(range(len(records)))
     assert all(math.isfinite(r["metrics"]["loss"]) and r["metrics"]["step_s"] > 0 for r in records)
