@@ -39,6 +39,7 @@ on the same CPU) and its own block of cores; the logs record the share.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -123,10 +124,14 @@ class TensorParallelConfig:
         require_processes(self, "threads")
         if self.warmup >= self.steps:
             raise UsageError(f"--warmup {self.warmup} leaves no timed step of --steps {self.steps}")
-        for world in (*self.world_size, *self.sweep_world):
-            for name in ("hidden", "d_model", "heads"):
+        for flag, worlds in (
+            ("--world-size", self.world_size),
+            ("--sweep-world", self.sweep_world),
+        ):
+            for world, name in itertools.product(worlds, ("hidden", "d_model", "heads")):
                 if getattr(self, name) % world:
-                    raise UsageError(f"--{name.replace('_', '-')} must divide by {world} ranks")
+                    raise UsageError(f"{flag} {world} does not divide --{name.replace('_', '-')} "
+                                     f"{getattr(self, name)}")  # fmt: skip
         numel = (self.batch + self.d_model) * self.hidden + (self.bench_batch + max(self.bench_width)) * max(self.bench_width)  # fmt: skip
         require_fits("--batch --hidden --d-model --bench-batch --bench-width", numel, "the MLP's activations and weights")  # fmt: skip
         if self.d_model % self.heads:

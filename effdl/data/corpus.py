@@ -85,9 +85,10 @@ class SyntheticCorpusConfig:
         return cls(n_lines=4000, seed=seed, vocab_size=20_000)
 
     def __post_init__(self) -> None:
-        if self.n_lines < 1 or self.vocab_size < len(_FUNCTION_WORDS) + 1:
+        whole = all(isinstance(v, int) for v in (self.n_lines, self.vocab_size))
+        if not whole or self.n_lines < 1 or self.vocab_size < len(_FUNCTION_WORDS) + 1:
             raise ValueError(
-                f"SyntheticCorpusConfig needs n_lines >= 1 and vocab_size > "
+                f"SyntheticCorpusConfig needs whole numbers n_lines >= 1 and vocab_size > "
                 f"{len(_FUNCTION_WORDS)}, got {self.n_lines}, {self.vocab_size}"
             )
 

@@ -59,6 +59,10 @@ class MasterWeights:
         make_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer],
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not callable(make_optimizer):
+            raise TypeError(f"make_optimizer must be callable, got {type(make_optimizer).__name__}")
         working = [p for p in model.parameters() if p.requires_grad]
         if not working:
             raise ValueError("the model has no parameter that requires grad")

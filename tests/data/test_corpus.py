@@ -126,6 +126,8 @@ def test_load_corpus_defaults_to_generated_data(tmp_path):
 def test_config_validation():
     with pytest.raises(ValueError, match="n_lines"):
         SyntheticCorpusConfig(n_lines=0)
+    with pytest.raises(ValueError, match="whole numbers"):
+        SyntheticCorpusConfig(n_lines=float("nan"))
 
 
 @pytest.mark.slow

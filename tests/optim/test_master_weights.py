@@ -124,6 +124,10 @@ def test_refuses_low_precision_models_and_empty_ones():
     frozen = small_model().requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter that requires grad"):
         MasterWeights(frozen, adamw)
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module, got str"):
+        MasterWeights("abc", adamw)
+    with pytest.raises(TypeError, match="make_optimizer must be callable"):
+        MasterWeights(small_model(), None)
 
 
 def test_close_removes_the_hooks():

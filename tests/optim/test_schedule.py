@@ -16,3 +16,13 @@ def test_warmup_then_cosine_by_hand():
     assert lr(7) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 3 / 9)))
     assert lr(20) == pytest.approx(0.1)  # past the last step: the floor
     assert warmup_cosine_lr(0, 1.0, 0.1, warmup=0, steps=1) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(steps=0), dict(warmup=-1), dict(step=-1), dict(lr=float("nan")), dict(min_lr=2.0)],
+)
+def test_a_schedule_that_cannot_be_followed_is_refused(kwargs):
+    args = dict(step=0, lr=1.0, min_lr=0.1, warmup=2, steps=10) | kwargs
+    with pytest.raises(ValueError, match="need"):
+        warmup_cosine_lr(**args)
