@@ -418,7 +418,9 @@ def _torch_kernel(x, weight, bias, eps: float, normalized_shape: tuple[int, ...]
     dtype are cast to ``x``'s, except fp32 ones with half-precision ``x``, which it mixes."""
 
     def cast(p: torch.Tensor | None) -> torch.Tensor | None:
-        keep = p is None or p.dtype == x.dtype or (p.dtype == torch.float32 and x.itemsize == 2)
+        keep = (
+            p is None or p.dtype == x.dtype or (p.dtype == torch.float32 and x.element_size() == 2)
+        )
         return p if keep else p.to(x.dtype)
 
     with torch.autocast("cuda", enabled=False):
