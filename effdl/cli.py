@@ -261,6 +261,14 @@ def require_finite(flag: str, value: Any) -> None:
             raise UsageError(f"{flag}: expected a finite number, got {v!r}")
 
 
+def require_converged(flags: str, what: str, value: float) -> float:
+    """``value`` (a measured loss) if finite, else a UsageError naming the ``flags`` that set
+    the step size: a diverged run's numbers are not results."""
+    if not math.isfinite(value):
+        raise UsageError(f"{what} diverged (loss {value}): lower {flags}")
+    return value
+
+
 def require_fits(flags: str, numel: float, what: str, bytes_per_element: int = 4) -> None:
     """UsageError naming ``flags`` unless ``numel`` elements of ``bytes_per_element`` bytes (a
     lower estimate of what the run allocates, from its size flags; ``what`` names it) fit in

@@ -28,6 +28,7 @@ from effdl.cli import (
     Run,
     UsageError,
     print_table,
+    require_converged,
     require_fits,
     require_positive,
     run_main,
@@ -150,6 +151,7 @@ def train_on_budget(
                 break
         bar.close()
         tail = torch.stack(losses[-LOSS_TAIL:]).float().mean().item()  # the one synchronize
+        require_converged("--lr", f"the {variant} run", tail)
         total_s = time.perf_counter() - start
     flops = 3 * matmul_flops_per_token(model.cfg, cfg.max_length) * slots
     return {

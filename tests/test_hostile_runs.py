@@ -72,3 +72,16 @@ def test_a_model_folder_of_another_shape_is_one_line_without_transformers_warnin
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"train.py: error: --model-path: {folder}/config.json describes")
+
+
+def test_a_diverged_run_is_refused_naming_the_step_size_and_leaves_no_log(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "task2_batching/train_pipelines.py"), "--quick", "--device",
+         "cpu", "--lr", "1e12", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]  # after the progress bars
+    assert last == "train_pipelines.py: error: the brain run diverged (loss nan): lower --lr"
+    assert not out.exists() or not any(p.is_file() for p in out.rglob("*.jsonl"))
