@@ -34,6 +34,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_converged,
     require_path,
     require_positive,
     require_processes,
@@ -365,6 +366,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
             profiler_step()
             if (step + 1) % cfg.log_every == 0 or step == stop - 1:
                 for row in pending.flush():  # the host's one read of these steps' values
+                    require_converged("--lr", f"training at step {row['step']}", row["loss"])
                     rows.append(row)
                     if log is not None:
                         log.log(variant, config, row)

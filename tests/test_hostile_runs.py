@@ -4,8 +4,11 @@ exit code 2 and one line naming the flag on stderr, nothing written in --out."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,14 +77,24 @@ def test_a_model_folder_of_another_shape_is_one_line_without_transformers_warnin
     assert line.startswith(f"train.py: error: --model-path: {folder}/config.json describes")
 
 
-def test_a_diverged_run_is_refused_naming_the_step_size_and_leaves_no_log(tmp_path):
+DIVERGED = [
+    ("task2_batching/train_pipelines.py", "1e12", "the brain run diverged (loss nan): lower --lr"),
+    ("lm_training/train.py", "1e6", "training at step 3 diverged (loss nan): lower --lr"),
+]
+
+
+@pytest.mark.parametrize(("script", "lr", "message"), DIVERGED)
+def test_a_diverged_run_is_refused_naming_the_step_size(tmp_path, script, lr, message):
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "task2_batching/train_pipelines.py"), "--quick", "--device",
-         "cpu", "--lr", "1e12", "--out", str(out)],
+        [sys.executable, str(ROOT / script), "--quick", "--device", "cpu", "--lr", lr,
+         "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]  # after the progress bars
-    assert last == "train_pipelines.py: error: the brain run diverged (loss nan): lower --lr"
-    assert not out.exists() or not any(p.is_file() for p in out.rglob("*.jsonl"))
+    assert last == f"{Path(script).name}: error: {message}"
+    for log in out.rglob("*.jsonl"):  # what was measured before the divergence: finite losses
+        for line in log.read_text().splitlines():
+            metrics = json.loads(line)["metrics"]
+            assert all(math.isfinite(metrics[k]) for k in ("loss", "final_loss") if k in metrics)
