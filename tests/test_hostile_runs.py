@@ -22,6 +22,7 @@ CASES = [
     ("lm_training/speedup_stages.py", ["--trace-dir", "{file}"], "--trace-dir: {file} is a file"),
     ("lm_training/train.py", ["--resume", "{empty}"], "--resume: {empty} is not a complete checkpoint"),
     ("memory_efficient_gpt2/tensor_parallel.py", ["--world-size", "3"], "--world-size 3 does not divide --hidden"),
+    ("lm_training/train.py", ["--sequence-length", "100000"], "--batch-size 4 --sequence-length 100000: "),
     ("lm_training/train.py", ["--resume", "{empty}", "--save", "{empty}"], "--resume: {empty} is not a complete checkpoint"),
 ]  # fmt: skip
 

@@ -261,7 +261,8 @@ def eval_batches(
     windows = list(itertools.islice(RankShard(stream, rank, world), n_batches * batch_size))
     if len(windows) < batch_size:
         raise UsageError(
-            f"{path}: too little held-out text for one batch of {batch_size} x {seq_len}"
+            f"--batch-size {batch_size} --sequence-length {seq_len}: {path} holds too little "
+            "held-out text for one batch"
         )
     out = []
     for i in range(0, len(windows) - batch_size + 1, batch_size):
