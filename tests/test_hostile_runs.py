@@ -23,6 +23,7 @@ CASES = [
     ("lm_training/train.py", ["--resume", "{empty}"], "--resume: {empty} is not a complete checkpoint"),
     ("memory_efficient_gpt2/tensor_parallel.py", ["--world-size", "3"], "--world-size 3 does not divide --hidden"),
     ("lm_training/train.py", ["--sequence-length", "100000"], "--batch-size 4 --sequence-length 100000: "),
+    ("task3_vit_profiling/train.py", ["--n-images", "1"], "change --batch-size, or --n-images"),
     ("lm_training/train.py", ["--resume", "{empty}", "--save", "{empty}"], "--resume: {empty} is not a complete checkpoint"),
 ]  # fmt: skip
 

@@ -72,7 +72,8 @@ def make_loaders(cfg: PipelineConfig, data: ClothingData) -> tuple[DataLoader, D
     if len(train_frame) % cfg.batch_size == 1:
         raise UsageError(
             f"--batch-size {cfg.batch_size}: the last of {len(train_frame)} training images would "
-            "be a batch of 1, which BatchNorm1d refuses; change --batch-size or --max-images"
+            "be a batch of 1, which BatchNorm1d refuses; change --batch-size, or "
+            f"{'--max-images' if cfg.data else '--n-images'} (the images read)"
         )
     if cfg.data_path == "as_given":
         train_t, val_t = as_given_transforms()
