@@ -20,9 +20,9 @@ The kernels run inside one autograd Function, :class:`FusedLayerNormFunction`, l
 Triton kernels are (``kernel[grid](...)``). Those launches and the Function cost the host more
 than torch's own LayerNorm, so CUDA inputs smaller than :data:`TRITON_MIN_BYTES` go to torch's
 kernel instead, run outside autocast so the output keeps ``x``'s dtype: below that size the
-layer_norm benchmark finds torch's eager step at least as fast. The PyTorch path (same formulas, fp32 or float64)
-serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` and machines without
-triton; :func:`uses_triton` is the one place that decides.
+layer_norm benchmark finds torch's eager step at least as fast. The PyTorch path (same formulas,
+fp32 or float64) serves CPU tensors, float64, rows wider than :data:`MAX_TRITON_WIDTH` and
+machines without triton; :func:`kernel_path` is the one place that decides.
 
 Under autocast the output keeps ``x``'s dtype (nn.LayerNorm returns float32 there): fusing is
 meant to move half the bytes, and the layers that follow cast their input anyway.
@@ -374,7 +374,7 @@ def fused_layer_norm(
     ``weight`` and ``bias`` (either may be None) have that shape. ``x`` (floating point, at least
     one dim) and the parameters may be non-contiguous (copied once where the kernels' layout
     cannot be viewed). Returns a new tensor of ``x``'s shape and dtype, under autocast too; see
-    :func:`uses_triton` for which path runs. Differentiable once (no double backward).
+    :func:`kernel_path` for which path runs. Differentiable once (no double backward).
     """
     if not x.is_floating_point() or x.dim() == 0:
         raise ValueError(f"x must be a floating-point tensor of at least 1 dim, got {x.dtype} "
@@ -423,13 +423,14 @@ def _torch_kernel(x, weight, bias, eps: float, normalized_shape: tuple[int, ...]
         )
         return p if keep else p.to(x.dtype)
 
-    with torch.autocast("cuda", enabled=False):
+    with torch.autocast(x.device.type, enabled=False):
         return nn.functional.layer_norm(x, normalized_shape, cast(weight), cast(bias), eps)
 
 
 class FusedLayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same constructor, parameters and state_dict) computed by
-    :func:`fused_layer_norm`: fused Triton kernels on CUDA, the PyTorch path elsewhere."""
+    :func:`fused_layer_norm`: on CUDA the fused Triton kernels for large inputs and torch's kernel
+    for small ones (see :func:`kernel_path`), the PyTorch path elsewhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the parameters' shapes were fixed at construction: only x is checked per call
@@ -442,10 +443,7 @@ class InputDtypeLayerNorm(nn.LayerNorm):
     against, since both move half-precision bytes where nn.LayerNorm writes fp32 under autocast."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return nn.functional.layer_norm(
-                x, self.normalized_shape, self.weight, self.bias, self.eps
-            )
+        return _torch_kernel(x, self.weight, self.bias, self.eps, self.normalized_shape)
 
 
 def swap_layer_norms(module: nn.Module, kind: type[nn.LayerNorm] = FusedLayerNorm) -> int:
