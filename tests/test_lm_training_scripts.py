@@ -92,11 +92,11 @@ def test_measured_ceiling_comes_from_the_committed_log():
 
 
 @pytest.mark.parametrize("dataset", ["iterable", "padded"])
-def test_ranks_together_see_the_single_process_batches(cache, dataset):
+def test_a_steps_global_batch_is_the_same_for_any_ranks_workers_and_accumulation(cache, dataset):
     source = lm_data.resolve_data(None, None, cache, QUICK_BYTES)
     tok, specials = lm_data.load_tokenizer(lm_data.default_tokenizer(cache, QUICK_BYTES, 512))
 
-    def step_rows(world, rank, batch):
+    def step_rows(world, rank, batch, micro_batches, workers):
         loader = lm_data.train_loader(
             source,
             tok,
@@ -104,17 +104,23 @@ def test_ranks_together_see_the_single_process_batches(cache, dataset):
             dataset=dataset,
             seq_len=16,
             batch_size=batch,
-            samples=24,
+            samples=48,
             rank=rank,
             world=world,
             seed=3,
-            workers=0,
+            workers=workers,
             pin_memory=False,
         )
-        return [sorted(map(tuple, next(loader)[1].tolist())) for _ in range(3)]
+        return [
+            sorted(
+                row for _ in range(micro_batches) for row in map(tuple, next(loader)[1].tolist())
+            )
+            for _ in range(3)
+        ]
 
-    single = step_rows(1, 0, 8)
-    ranks = [step_rows(2, r, 4) for r in range(2)]
+    single = step_rows(1, 0, 8, 1, 0)
+    assert step_rows(1, 0, 2, 4, 2) == single  # four micro-batches, two workers
+    ranks = [step_rows(2, r, 4, 1, 2) for r in range(2)]
     for step in range(3):
         assert single[step] == sorted(ranks[0][step] + ranks[1][step])
 

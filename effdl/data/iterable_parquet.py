@@ -22,7 +22,9 @@ class IterableParquetDataset(IterableDataset):
 
     One pass over the rows ends the iteration (a final window shorter than ``seq_len + 1`` is
     dropped) unless ``cycle`` is set, in which case rows repeat forever. With DataLoader
-    workers, worker w reads rows w, w + W, w + 2W, ...
+    workers and ``rows_by_worker``, worker w reads rows w, w + W, w + 2W, ...; without it every
+    worker reads every row (for a wrapper that splits the windows, as
+    :class:`effdl.lm.data.RankShard` does, keeping the stream's order whatever the workers).
     """
 
     def __init__(
@@ -32,6 +34,7 @@ class IterableParquetDataset(IterableDataset):
         seq_len: int,
         bos_id: int = 1,
         cycle: bool = False,
+        rows_by_worker: bool = True,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -41,9 +44,10 @@ class IterableParquetDataset(IterableDataset):
         self.seq_len = seq_len
         self.bos_id = bos_id
         self.cycle = cycle
+        self.rows_by_worker = rows_by_worker
 
     def _rows(self) -> Iterator[int]:
-        info = get_worker_info()
+        info = get_worker_info() if self.rows_by_worker else None
         first, step = (0, 1) if info is None else (info.id, info.num_workers)
         while True:
             yield from range(first, self.real_length, step)

@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, get_worker_info
 
 from effdl.cli import UsageError
 from effdl.data.corpus import CorpusFormatError
@@ -188,13 +188,25 @@ def _token_id(tok: Any, names: list[str | None]) -> int | None:
 
 
 class RankShard(IterableDataset):
-    """Every ``world``-th item of an iterable dataset, starting at ``rank``."""
+    """Every ``world``-th item of an iterable dataset, starting at ``rank``. Under DataLoader
+    workers, worker k of n yields this rank's batches k, k + n, ... (``batch_size`` items
+    each): the DataLoader takes batches from its workers in turn, so the rank's items come in
+    the stream's order whatever the number of workers, and a step's global batch is the same
+    for any number of ranks and workers. Each worker reads the whole stream: give it one that
+    does not split its rows by worker."""
 
-    def __init__(self, dataset: IterableDataset, rank: int, world: int) -> None:
-        self.dataset, self.rank, self.world = dataset, rank, world
+    def __init__(
+        self, dataset: IterableDataset, rank: int, world: int, batch_size: int = 1
+    ) -> None:
+        self.dataset, self.rank, self.world, self.batch_size = dataset, rank, world, batch_size
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.dataset), self.rank, None, self.world)
+        items = itertools.islice(iter(self.dataset), self.rank, None, self.world)
+        info = get_worker_info()
+        if info is None:
+            return items
+        n, k, b = info.num_workers, info.id, self.batch_size
+        return (item for i, item in enumerate(items) if (i // b) % n == k)
 
 
 def _pairs(batch: Any) -> Pair:
@@ -229,8 +241,10 @@ def train_loader(
         "persistent_workers": workers > 0,
     }
     if dataset == "iterable":
-        stream = IterableParquetDataset(source.train, tokenizer, seq_len, specials.bos, cycle=True)
-        loader = DataLoader(RankShard(stream, rank, world), **common)
+        stream = IterableParquetDataset(
+            source.train, tokenizer, seq_len, specials.bos, cycle=True, rows_by_worker=False
+        )
+        loader = DataLoader(RankShard(stream, rank, world, batch_size), **common)
         return map(_pairs, loader)
     docs = ParquetDataset(source.train, tokenizer, seq_len, samples, bos_id=specials.bos)
     sampler = DistributedSampler(docs, world, rank, shuffle=True, seed=seed, drop_last=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -58,7 +59,8 @@ def wrap_model(
     (None: torch's default, 25 MB). ``gradient_as_bucket_view``: ``.grad`` tensors are views
     into the communication buckets, so no second copy of every gradient is kept or copied.
     ``broadcast_buffers``: copy rank 0's buffers to every rank before each forward; off, since
-    the Llama's only buffers, its rotary tables, are computed identically on every rank.
+    the Llama's only buffers, its rotary tables, are computed identically on every rank. Under
+    NCCL each bucket is averaged inside its all-reduce (:func:`average_in_all_reduce`).
     """
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel {parallel!r} is not one of {list(PARALLEL_MODES)}")
@@ -108,13 +110,26 @@ def _ddp(
     buffers_flag = (
         "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
     )
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=gradient_as_bucket_view,
         **{buffers_flag: broadcast_buffers},
     )
+    if dist.get_backend() == "nccl":
+        ddp.register_comm_hook(None, average_in_all_reduce)
+    return ddp
+
+
+def average_in_all_reduce(
+    group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's mean over the ranks by one all-reduce with
+    ``ReduceOp.AVG`` (NCCL divides as it sums). DDP's own reduction first divides every gradient
+    by the world size in a separate pass over all of them, then sums."""
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _fully_shard(
