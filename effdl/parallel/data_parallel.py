@@ -10,8 +10,6 @@ materialised here from a seed; under FSDP2 part by part, each block sharded as s
 initialised, so no rank ever holds the whole model.
 """
 
-from __future__ import annotations
-
 import functools
 import inspect
 from collections.abc import Callable

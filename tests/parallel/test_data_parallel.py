@@ -20,6 +20,7 @@ from torch import nn
 
 from effdl.models.llama import Transformer, TransformerModelArgs, build_on_meta, materialize
 from effdl.parallel import gradient_sync, spawn, wrap_model
+from effdl.parallel.data_parallel import average_in_all_reduce
 
 ARGS = TransformerModelArgs(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=16, seq_len=16
@@ -169,6 +170,16 @@ def test_gradient_sync_keeps_ddp_gradients_local_until_the_last_micro_batch():
             rank_got["ddp_1"], (got[0]["plain_1"] + got[1]["plain_1"]) / 2, rtol=1e-5, atol=1e-7
         )
     assert not torch.allclose(got[0]["ddp_0"], got[1]["ddp_0"])  # the ranks' data differ
+
+
+def register_average_hook(rank: int, world: int) -> bool:
+    ddp = nn.parallel.DistributedDataParallel(build(rank_device(rank, "cpu")))
+    ddp.register_comm_hook(None, average_in_all_reduce)  # DDP checks the hook's signature
+    return True
+
+
+def test_ddp_accepts_the_averaging_hook_that_nccl_runs_use():
+    assert spawn(register_average_hook, 1) == [True]
 
 
 # The two tests below run in pytest's own process: no autograd there, which on a CUDA host starts
