@@ -237,7 +237,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "vit-train",
         "python3 task3_vit_profiling/train.py --device cuda --pipeline as_given --out runs/vit",
         f"python3 task3_vit_profiling/train.py --device cuda --pipeline as_given {VIT} --out {{out}}",
-        30,
+        60,
         Headline("as_given", "train_images_per_s", "images/s"),
         comment="and --pipeline fixed, and fixed with one flag undone",
     ),
