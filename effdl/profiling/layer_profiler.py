@@ -4,7 +4,7 @@
 timed from autograd hooks those set up on the module's tensors. Each call of a module gives one
 forward span and, when it takes part in autograd, one backward span, from time stamps: CUDA
 events on the model's device (read with one synchronize when results are asked for) or
-``time.perf_counter_ns`` on the CPU. A :class:`Schedule` with ``torch.profiler.schedule``'s
+``time.perf_counter`` on the CPU (:class:`effdl.profiling.timing.Clock`). A :class:`Schedule` with ``torch.profiler.schedule``'s
 meaning picks which steps are recorded.
 
 What a span holds, and the limits:
@@ -35,7 +35,6 @@ What a span holds, and the limits:
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from effdl.profiling.timing import Clock
 from effdl.tables import format_table
 
 FORWARD = "forward"
@@ -124,53 +124,6 @@ class Span:
     @property
     def dur_ns(self) -> int:
         return self.end_ns - self.start_ns
-
-
-class _HostClock:
-    """Stamps from ``perf_counter_ns``, relative to the clock's creation."""
-
-    def __init__(self) -> None:
-        self._origin = time.perf_counter_ns()
-        self.mark = time.perf_counter_ns
-
-    def release(self, marks: list[int]) -> None:
-        pass
-
-    def to_ns(self, marks: list[int]) -> list[int]:
-        return [m - self._origin for m in marks]
-
-
-class _CudaClock:
-    """Stamps are CUDA events on the current stream, relative to an origin event.
-
-    ``torch.Event.record()`` looks the current stream up in C++ (``torch.cuda.Event.record()``
-    builds a Python stream object per call); the stream is the one current where the hook
-    runs, the autograd engine's inside backward. A model on another device than the current
-    one names its device's stream each time. Events of steps that are not kept go back to a
-    pool and are recorded again later: an event is only read after the synchronize, and only
-    the last record counts.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._free: list[torch.Event] = []
-        self._on_current = device.index is None or device.index == torch.cuda.current_device()
-        self._origin = self.mark()
-
-    def mark(self) -> torch.Event:
-        ev = self._free.pop() if self._free else torch.Event(self.device, enable_timing=True)
-        if self._on_current:
-            ev.record()
-        else:
-            ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def release(self, marks: list[torch.Event]) -> None:
-        self._free += marks
-
-    def to_ns(self, marks: list[torch.Event]) -> list[int]:
-        torch.cuda.synchronize(self.device)  # the one sync: every stamp is read after it
-        return [round(self._origin.elapsed_time(m) * 1e6) for m in marks]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -254,7 +207,7 @@ class Profile:
         self._hook_fns: list[tuple[Callable, Callable] | None] = [None] * len(self._modules)
         self._entered = False
         self._active = False
-        self._clock: _HostClock | _CudaClock | None = None
+        self._clock: Clock | None = None
         self._step = 0
         self._recorded_steps = 0  # RECORD steps finished: picks the share of sampled modules
         self._phase = Phase.NONE
@@ -283,7 +236,7 @@ class Profile:
             raise RuntimeError("a Profile records one `with` block; make a new one")
         self._entered = True
         device = self._device or _model_device(self.model)
-        self._clock = _CudaClock(device) if device.type == "cuda" else _HostClock()
+        self._clock = Clock(device)
         self._active = True
         self._begin_step(None)
         return self
@@ -525,7 +478,7 @@ class Profile:
         """The recorded steps, and the module spans each with its module's index."""
         stamps = [m for _, a, b in self._steps for m in (a, b)]
         stamps += [m for *_, a, b in self._spans for m in (a, b)]
-        ns = iter(self._clock.to_ns(stamps) if stamps else [])
+        ns = iter(round(t * 1e9) for t in self._clock.since_origin(stamps)) if stamps else iter([])
         steps = [Span(f"step {k}", "", STEP, k, next(ns), next(ns)) for k, _, _ in self._steps]
         modules = [
             (i, Span(self._labels[i], self._modules[i][0], kind, k, next(ns), next(ns)))
@@ -583,7 +536,7 @@ class Profile:
     def summary(self, top: int | None = None) -> str:
         """A plain-text table of :meth:`records` (the ``top`` slowest modules, or all)."""
         steps, modules = self._resolve()
-        clock = "CUDA events" if isinstance(self._clock, _CudaClock) else "host clock"
+        clock = "CUDA events" if self._clock.cuda else "host clock"
         head = f"{self.name}: {len(steps)} recorded steps"
         if steps:
             head += f", {sum(s.dur_ns for s in steps) / len(steps) / 1e6:.3f} ms per step ({clock})"

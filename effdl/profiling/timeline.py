@@ -10,50 +10,57 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
+from effdl.profiling.timing import Clock, Stamp
 
 
 class Timeline:
     """Spans of one step (of an optimizer, a training loop) on one time axis.
 
-    Host spans use ``perf_counter``; CUDA spans use timing events and are placed relative to an
-    event recorded on the current stream at :meth:`reset` (exact when the host had just
-    synchronized, as a training loop does after reading the loss). Appends are thread-safe.
-    Off (no events, no cost) until ``enabled`` is set; call :meth:`reset` at each step start.
+    Host spans use ``perf_counter``; CUDA spans use the device's :class:`Clock` and are placed
+    relative to a stamp taken on the current stream at :meth:`reset` (exact when the host had
+    just synchronized, as a training loop does after reading the loss). Appends are
+    thread-safe. Off (no events, no cost) until ``enabled`` is set; call :meth:`reset` at each
+    step start.
     """
 
     def __init__(self, cuda: bool, enabled: bool = False) -> None:
         self.cuda = cuda
         self.enabled = enabled
+        self._clock: Clock | None = None  # made on the first CUDA stamp
         self.reset()
 
-    def reset(self) -> None:
-        self._spans: list[tuple[str, int, Any, Any]] = []
-        self._t0 = time.perf_counter()
-        self._ev0 = self.mark() if self.cuda else None
+    def _device_clock(self) -> Clock:
+        if self._clock is None:
+            self._clock = Clock("cuda")
+        return self._clock
 
-    def mark(self, stream: Any = None) -> Any:
-        """A time stamp: a recorded CUDA event (on ``stream`` or the current one) or a float."""
+    def reset(self) -> None:
+        self._spans: list[tuple[str, int, Stamp, Stamp]] = []
+        self._t0 = time.perf_counter()
+        self._ev0 = self._device_clock().mark() if self.cuda and self.enabled else None
+
+    def mark(self, stream: Any = None) -> Stamp:
+        """A time stamp: a CUDA event on ``stream`` (or the current one) while on, else a float."""
         if not (self.cuda and self.enabled):
             return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream)
-        return ev
+        return self._device_clock().mark(stream)
 
-    def add(self, kind: str, index: int, start: Any, end: Any) -> None:
+    def add(self, kind: str, index: int, start: Stamp, end: Stamp) -> None:
         """Record a span from two :meth:`mark` stamps (or two ``perf_counter`` floats)."""
         if self.enabled:
             self._spans.append((kind, index, start, end))
 
     def spans(self) -> list[dict[str, Any]]:
         """All spans as ``{kind, index, start_s, end_s}`` (synchronizes on CUDA)."""
+        spans = list(self._spans)
+        if self._clock is not None and any(not isinstance(a, float) for _, _, a, _ in spans):
+            self._clock.wait()
         out = []
-        for kind, index, a, b in list(self._spans):
+        for kind, index, a, b in spans:
             if isinstance(b, float):
                 start, end = a - self._t0, b - self._t0
             else:
-                b.synchronize()
-                start, end = self._ev0.elapsed_time(a) / 1e3, self._ev0.elapsed_time(b) / 1e3
+                start, end = self._clock.seconds(self._ev0, a), self._clock.seconds(self._ev0, b)
             out.append({"kind": kind, "index": index, "start_s": start, "end_s": end})
         return out
 

@@ -103,39 +103,78 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class RegionTimer:
-    """Times many regions (e.g. every batch of an epoch) with at most one sync at the end.
+Stamp = float | torch.Event  # a perf_counter reading or a recorded CUDA event
 
-    On CUDA each ``start()``/``stop()`` records an event on the current stream, so the loop never
-    waits for the GPU; ``times()`` synchronizes once and converts the event pairs to seconds.
-    On CPU it reads ``perf_counter`` directly.
-    """
+
+class Clock:
+    """Time stamps of the work of one device, on one axis: CUDA timing events recorded on a
+    stream (the current one unless given), read after one synchronize, or ``perf_counter`` on
+    the CPU. The one clock of effdl's timers (:class:`RegionTimer`, :class:`Timeline`, the layer
+    profiler): on CUDA a host clock read after a launch would time the launch, not the kernel.
+    Events handed back with :meth:`release` are recorded again by later marks."""
 
     def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)
-        self._cuda = self.device.type == "cuda"
-        self._pairs: list[tuple] = []
-        self._open = None
+        self.cuda = self.device.type == "cuda"
+        self._free: list[torch.Event] = []
+        index = self.device.index
+        self._on_current = not self.cuda or index is None or index == torch.cuda.current_device()
+        self.origin = self.mark()
+
+    def mark(self, stream: torch.cuda.Stream | None = None) -> Stamp:
+        """A stamp now: in ``stream``'s (or the current stream's) order of work on CUDA."""
+        if not self.cuda:
+            return time.perf_counter()
+        ev = self._free.pop() if self._free else torch.Event(self.device, enable_timing=True)
+        if stream is not None:
+            ev.record(stream)
+        elif self._on_current:
+            ev.record()
+        else:
+            ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def seconds(self, start: Stamp, end: Stamp) -> float:
+        """Seconds from ``start`` to ``end``; on CUDA once both are reached (:meth:`wait`)."""
+        if self.cuda:
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def wait(self) -> None:
+        """Wait until every stamp taken so far is reached (a synchronize on CUDA)."""
+        synchronize(self.device)
+
+    def since_origin(self, stamps: list[Stamp]) -> list[float]:
+        """Seconds from the clock's creation to each stamp, after one :meth:`wait`."""
+        self.wait()
+        return [self.seconds(self.origin, m) for m in stamps]
+
+    def release(self, stamps: list[Stamp]) -> None:
+        """Stamps that will not be read: their events are reused by later marks."""
+        if self.cuda:
+            self._free += stamps
+
+
+class RegionTimer:
+    """Times many regions (e.g. every batch of an epoch) with at most one sync at the end: each
+    ``start()``/``stop()`` takes a :class:`Clock` stamp, so the loop never waits for the GPU;
+    ``times()`` synchronizes once."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self.clock = Clock(self.device)
+        self._pairs: list[tuple[Stamp, Stamp]] = []
+        self._open: Stamp | None = None
 
     def start(self) -> None:
         if self._open is not None:
             raise RuntimeError("RegionTimer.start() called twice without stop()")
-        if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._open = ev
-        else:
-            self._open = time.perf_counter()
+        self._open = self.clock.mark()
 
     def stop(self) -> None:
         if self._open is None:
             raise RuntimeError("RegionTimer.stop() called without start()")
-        if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-        else:
-            ev = time.perf_counter()
-        self._pairs.append((self._open, ev))
+        self._pairs.append((self._open, self.clock.mark()))
         self._open = None
 
     @contextmanager
@@ -148,10 +187,8 @@ class RegionTimer:
 
     def times(self) -> list[float]:
         """Durations of all closed regions, in seconds (synchronizes once on CUDA)."""
-        if self._cuda:
-            synchronize(self.device)
-            return [a.elapsed_time(b) / 1e3 for a, b in self._pairs]
-        return [b - a for a, b in self._pairs]
+        self.clock.wait()
+        return [self.clock.seconds(a, b) for a, b in self._pairs]
 
     def stats(self) -> TimingStats:
         return TimingStats.from_times(self.times())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from effdl.profiling.timing import (
+    Clock,
     RegionTimer,
     TimingStats,
     benchmark,
@@ -112,6 +113,31 @@ def test_peak_memory_cpu_rss_sees_a_freed_allocation_and_stops_its_sampler():
     assert got["peak"] - got["start"] >= 0.9 * got["size"]
     assert got["gib"] == pytest.approx(got["peak"] / 2**30)
     assert got["threads_left"] == 0
+
+
+def test_clock_on_the_cpu_reads_perf_counter_from_its_origin(monkeypatch):
+    now = iter([10.0, 10.5, 12.0, 13.25])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(now))
+    clock = Clock("cpu")  # origin 10.0
+    a, b, c = clock.mark(), clock.mark(), clock.mark()
+    assert clock.seconds(a, c) == 2.75
+    assert clock.since_origin([a, b, c]) == [0.5, 2.0, 3.25]
+    clock.release([a, b])  # host stamps hold nothing to reuse
+    assert not clock.cuda
+
+
+@pytest.mark.gpu
+def test_clock_reuses_released_events_and_times_the_kernel():
+    clock = Clock("cuda")
+    a = torch.randn(4096, 4096, device="cuda")
+    start = clock.mark()
+    for _ in range(3):
+        a @ a
+    end = clock.mark()
+    (took,) = clock.since_origin([end])
+    assert took >= clock.seconds(start, end) > 1e-4  # three 4096^3 GEMMs: well above a launch
+    clock.release([start])
+    assert clock.mark() is start
 
 
 @pytest.mark.gpu
