@@ -86,6 +86,16 @@ COMMANDS: tuple[GpuCommand, ...] = (
         min_gpus=2,
     ),
     GpuCommand(
+        "tensor-dtensor",
+        "torchrun --nproc-per-node 2 memory_efficient_gpt2/tensor_parallel.py --backend nccl --compare-dtensor --bench-width 64 512 4096",
+        "torchrun --nproc-per-node 2 memory_efficient_gpt2/tensor_parallel.py --backend nccl"
+        " --compare-dtensor --bench-width 64 512 4096 --bench-rounds 5 --warmup 2 --out {out}",
+        60,
+        Headline("mlp_ours", "fwd_bwd_ms_median", "ms fwd+bwd, width 4096"),
+        min_gpus=2,
+        comment="our tensor-parallel MLP against DTensor's",
+    ),
+    GpuCommand(
         "lm-ddp",
         "torchrun --nproc-per-node 2 lm_training/train.py --model 1b --parallel ddp --fused-optimizer --compile",
         f"torchrun --nproc-per-node 2 lm_training/train.py --model 125m --parallel ddp --fused-optimizer --compile {LM} --out {{out}}",
