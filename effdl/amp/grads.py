@@ -2,25 +2,17 @@
 
 The loss scalers need one fact per step (is any gradient element inf/NaN?) and the experiments
 log another (how many gradient elements are exactly zero, i.e. underflowed). Both are reduced
-on the device with foreach/batched ops; the caller decides when (and whether) to read the result
+on the device with batched reductions; the caller decides when (and whether) to read the result
 back to the host, so each costs at most one synchronization.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
-
-
-def group_by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple, list[Tensor]]:
-    """Bucket tensors by ``(device, dtype)``: foreach kernels take their fast path per bucket."""
-    groups: dict[tuple, list[Tensor]] = defaultdict(list)
-    for t in tensors:
-        groups[(t.device, t.dtype)].append(t)
-    return groups
 
 
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
@@ -44,21 +36,17 @@ def unscale_and_check_(grads: list[Tensor], inv_scale: float) -> Tensor | None:
 
     Returns a 0-dim bool tensor (on the first gradient's device) that is True when any element
     of any gradient was inf or NaN *before* the multiplication, or None for an empty list.
-    Nothing is read back to the host. Per (device, dtype) bucket this is one
-    ``_foreach_norm(inf)`` (max |g| per tensor, NaN-propagating, so it is finite exactly when the
-    tensor is) and one ``_foreach_mul_``; fp16 and fp32 gradients are both handled in their own
-    dtype.
+    Nothing is read back to the host. The check is ``torch.nn.utils.get_total_norm(grads, inf)``
+    (max |g|, NaN-propagating, so it is finite exactly when every gradient is; one foreach
+    reduction per device and dtype); then each gradient is multiplied in its own dtype, fp16 and
+    fp32 alike.
     """
     if not grads:
         return None
-    flags = []
-    for group in group_by_device_and_dtype(grads).values():
-        norms = torch._foreach_norm(group, float("inf"))
-        flags.append(torch.stack(norms).isfinite().all())
-        torch._foreach_mul_(group, inv_scale)
-    home = flags[0].device
-    all_finite = flags[0] if len(flags) == 1 else torch.stack([f.to(home) for f in flags]).all()
-    return all_finite.logical_not()
+    any_non_finite = torch.nn.utils.get_total_norm(grads, math.inf).isfinite().logical_not()
+    for g in grads:
+        g.mul_(inv_scale)
+    return any_non_finite
 
 
 def zero_fraction(grads: list[Tensor]) -> Tensor:
