@@ -53,6 +53,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from effdl.amp.grads import unscale_and_check_
+from effdl.optim.fused_adam import fused_adam_
 from effdl.optim.quantized_state import (
     BLOCK_SIZE,
     CodeMaps,
@@ -407,10 +409,9 @@ class CPUOffloadAdam:
             return
         start = time.perf_counter()
         hyper = _hyper(b.group)
-        steps = [b.steps[i] for i in idx]
-        torch._foreach_add_(steps, 1.0)
         if b.quantized is not None:
             for i in idx:
+                b.steps[i].add_(1.0)
                 b.quantized.moments[i].step(
                     b.view(b.master, i).view(-1),
                     b.view(b.grad, i).view(-1),
@@ -419,16 +420,13 @@ class CPUOffloadAdam:
                     **hyper,
                 )
         else:
-            fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
-            fused(
+            fused_adam_(  # counts the step too
                 [b.view(b.master, i) for i in idx],
                 [b.view(b.grad, i).float() for i in idx],  # a bf16 accumulator: fp32 copies
                 [b.view(b.exp_avg, i) for i in idx],
                 [b.view(b.exp_avg_sq, i) for i in idx],
-                [],
-                steps,
-                amsgrad=False,
-                maximize=False,
+                [b.steps[i] for i in idx],
+                adamw=self.adamw,
                 **hyper,
             )
         for i in idx:
@@ -451,7 +449,8 @@ class CPUOffloadAdam:
             return
         hyper = _hyper(b.group)
         steps = [b.steps[i] for i in idx]
-        torch._foreach_add_(steps, 1.0)
+        for s in steps:
+            s.add_(1.0)
         while len(self._in_flight) >= DEVICE_BUCKETS_IN_FLIGHT:
             self._in_flight.popleft().synchronize()
         with self._stream(self._h2d_stream):
@@ -601,12 +600,8 @@ class CPUOffloadAdam:
             for i, h in enumerate(b.has_grad)
             if h
         ]
-        where = self.device if self._grads_stay_on_device else "cpu"
-        found_inf = torch.zeros(1, device=where)
-        if grads:
-            inv = torch.full((1,), 1.0 / scale, device=where)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
-        return bool(found_inf)  # the step's one host sync
+        found_inf = unscale_and_check_(grads, 1.0 / scale)
+        return found_inf is not None and bool(found_inf)  # the step's one host sync
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients accumulated since the last step (``set_to_none`` is accepted for

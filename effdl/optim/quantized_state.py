@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from effdl.optim.fused_adam import fused_adam_
+
 BLOCK_SIZE = 2048
 # Blocks processed together by QuantizedAdamMoments.step: bounds its fp32 scratch to 8 MiB.
 CHUNK_BLOCKS = 512
@@ -216,7 +218,6 @@ class QuantizedAdamMoments:
         moments' rounding, and a first moment whose second moment rounded to 0 is dropped
         (else the step would be ``m / eps``). Chunks are independent, so the chunk size does not change results.
         """
-        fused = torch._fused_adamw_ if adamw else torch._fused_adam_
         chunk = (chunk_blocks or CHUNK_BLOCKS) * BLOCK_SIZE
         for start in range(0, self.numel, chunk):
             end = min(start + chunk, self.numel)
@@ -226,20 +227,19 @@ class QuantizedAdamMoments:
             # beside frequent ones) is stored as 0 while its first moment is not: its step would
             # be m / eps. Such a value takes no step from its stale first moment.
             m.masked_fill_(v == 0, 0.0)
-            fused(
+            previous = step - 1  # the kernel counts this step itself, in a copy per chunk
+            fused_adam_(
                 [param[start:end]],
                 [grad[start:end].float()],
                 [m],
                 [v],
-                [],
-                [step],
+                [previous],
+                adamw=adamw,
                 lr=lr,
                 beta1=beta1,
                 beta2=beta2,
-                weight_decay=weight_decay,
                 eps=eps,
-                amsgrad=False,
-                maximize=False,
+                weight_decay=weight_decay,
             )
             self._store(start, m, v)
 
@@ -292,7 +292,7 @@ class QuantizedMomentBuffers:
             "exp_avg_sq_codes": torch.zeros(codes, dtype=torch.uint8, pin_memory=pin_memory),
             "exp_avg_sq_absmax": torch.zeros(absmax, pin_memory=pin_memory),
         }
-        self.moments = self._views(CPU_MAPS)
+        self.moments = self.moment_views(CPU_MAPS)
 
     @property
     def nbytes(self) -> int:
@@ -305,7 +305,7 @@ class QuantizedMomentBuffers:
         the result shares their memory."""
         moved = copy.copy(self)
         moved.buffers = {k: t.to(device, non_blocking=True) for k, t in self.buffers.items()}
-        moved.moments = moved._views(maps)
+        moved.moments = moved.moment_views(maps)
         return moved
 
     def copy_(self, src: QuantizedMomentBuffers) -> None:
@@ -315,7 +315,9 @@ class QuantizedMomentBuffers:
             if src.buffers[key].data_ptr() != dst.data_ptr():
                 dst.copy_(src.buffers[key], non_blocking=True)
 
-    def _views(self, maps: CodeMaps) -> list[QuantizedAdamMoments]:
+    def moment_views(self, maps: CodeMaps) -> list[QuantizedAdamMoments]:
+        """One :class:`QuantizedAdamMoments` per tensor, views into the buffers that use
+        ``maps`` (which must be on the buffers' device)."""
         b = self.buffers
         views, block = [], 0
         for n, off in zip(self.numels, self.offsets, strict=True):

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from effdl.optim import quantized_state as qs
 from effdl.optim.quantized_state import (
@@ -113,13 +114,18 @@ def test_step_is_fused_adam_on_the_dequantized_moments(
     step = torch.tensor(3.0)
     hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
 
-    ref_param, m, v = param.clone(), state.exp_avg(), state.exp_avg_sq()
+    ref_param, m, v = nn.Parameter(param.clone()), state.exp_avg(), state.exp_avg_sq()
     m.masked_fill_(v == 0, 0.0)  # a second moment stored as 0 drops its first moment
-    fused = torch._fused_adamw_ if adamw else torch._fused_adam_
-    fused([ref_param], [grad], [m], [v], [], [step], amsgrad=False, maximize=False, **hyper)
+    ref_param.grad = grad
+    torch_adam = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref = torch_adam([ref_param], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                     eps=hyper["eps"], weight_decay=hyper["weight_decay"], fused=True)  # fmt: skip
+    ref.state[ref_param] = {"step": step - 1, "exp_avg": m, "exp_avg_sq": v}
+    ref.step()
     state.step(param, grad, step, adamw=adamw, **hyper)
 
     assert torch.equal(param, ref_param)
+    assert step.item() == 3.0  # the caller's count, already this step's, is left as it is
     for key, ref in (("exp_avg", quantize(m)), ("exp_avg_sq", quantize(v, signed=False))):
         assert torch.equal(getattr(state, f"{key}_codes"), ref[0])
         assert torch.equal(getattr(state, f"{key}_absmax"), ref[1])
