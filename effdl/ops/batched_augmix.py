@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.transforms.v2 import InterpolationMode
 
+from effdl.ops.dirichlet import sample_dirichlet
+
 OPS = (
     "ShearX",
     "ShearY",
@@ -165,8 +167,8 @@ class BatchedAugMix(nn.Module):
         def concentration(k: int) -> torch.Tensor:
             return torch.full((batch, k), self.alpha, dtype=torch.float32, device=draw_on)
 
-        beta = torch._sample_dirichlet(concentration(2), generator=gen)
-        mixing = torch._sample_dirichlet(concentration(self.mixture_width), generator=gen)
+        beta = sample_dirichlet(concentration(2), generator=gen)
+        mixing = sample_dirichlet(concentration(self.mixture_width), generator=gen)
         ops = torch.randint(n_ops, shape, generator=gen, device=draw_on)
         bins = torch.randint(self.severity, shape, generator=gen, device=draw_on)
         negative = torch.rand(shape, generator=gen, device=draw_on) <= 0.5
