@@ -209,7 +209,8 @@ class DocumentMultiheadAttention(nn.MultiheadAttention):
         Built on the meta device, so no random initialisation runs and seeded models keep the
         parameter values they had with the plain module.
         """
-        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+        same_width = mha.kdim == mha.embed_dim and mha.vdim == mha.embed_dim
+        if not same_width or mha.bias_k is not None or mha.add_zero_attn:
             raise ValueError("only plain self-attention MHA (same q/k/v width, no bias_k/v)")
         new = cls(
             mha.embed_dim,
