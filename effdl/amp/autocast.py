@@ -78,7 +78,9 @@ _FP32_NAMES = (
     "triplet_margin_loss", "multi_margin_loss",
 )  # fmt: skip
 _FP32_OUT_NAMES = ("softmax", "log_softmax", "sum", "prod", "cumsum", "cumprod")
-_NAMESPACES = (torch, torch.Tensor, F, torch._C._nn, torch.linalg, torch.functional)
+# The public namespaces: the mode sees the function the caller called (``F.mse_loss``), not the
+# internal ones it runs on (those run with the mode switched off).
+_NAMESPACES = (torch, torch.Tensor, F, torch.linalg, torch.functional)
 
 
 def _collect(names: Iterable[str]) -> set:
