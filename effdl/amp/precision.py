@@ -44,12 +44,14 @@ class PrecisionSpec:
 @dataclass
 class Precision:
     """A built setup: ``autocast()`` returns a fresh context; ``scaler`` has the GradScaler API
-    (a disabled one when the spec has no scaler, so the loop needs no branches)."""
+    (a disabled one when the spec has no scaler, so the loop needs no branches).
+    ``last_scale``: torch's scaler's scale before the step that :meth:`scale_and_skipped`
+    reports on next (its initial scale at first)."""
 
     spec: PrecisionSpec
     autocast: Callable[[], AbstractContextManager]
     scaler: Any
-    _last_scale: float = 1.0
+    last_scale: float = 1.0
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of the scaled loss: the gradients come out multiplied by the scale."""
@@ -68,8 +70,8 @@ class Precision:
         """
         if isinstance(self.scaler, torch.amp.GradScaler):
             scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
-            skipped = scale < self._last_scale
-            self._last_scale = scale
+            skipped = scale < self.last_scale
+            self.last_scale = scale
             return scale, skipped
         return self.scaler.get_scale(), bool(getattr(self.scaler, "last_found_inf", False))
 
@@ -105,9 +107,8 @@ def build_precision(
         scaler = DynamicGradScaler(init_scale, growth_interval=growth_interval)
     else:
         scaler = StaticGradScaler(enabled=False)
-    prec = Precision(spec, autocast, scaler)
-    prec._last_scale = init_scale if spec.scaler == "torch" else 1.0
-    return prec
+    last_scale = init_scale if spec.scaler == "torch" else 1.0
+    return Precision(spec, autocast, scaler, last_scale)
 
 
 PRECISION_NAMES = ("bf16", "fp16", "tf32", "fp32")
