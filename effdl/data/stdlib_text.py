@@ -21,13 +21,14 @@ then a rename), so an interrupted build never leaves a file that looks complete.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import platform
 import shutil
 import sysconfig
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,41 +68,48 @@ def _skipped(relative: Path, size: int, max_file_bytes: int) -> bool:
     return in_tests or size > max_file_bytes or relative.as_posix() == "pydoc_data/topics.py"
 
 
-def stdlib_documents(max_bytes: int | None = None, max_file_bytes: int = 200_000) -> list[str]:
-    """The documentation topics (sorted by name), then the stdlib's ``.py`` files (sorted paths).
+def stdlib_source_files(max_file_bytes: int = 200_000) -> Iterator[tuple[str, str]]:
+    """(path relative to the stdlib folder, text) of the stdlib's ``.py`` files, sorted by path.
 
     Skipped: site-packages, test folders, files over ``max_file_bytes`` bytes (generated tables),
-    files that are not UTF-8. ``max_bytes`` caps the total UTF-8 size: documents are taken in
-    order while they fit. Deterministic for a given Python installation.
+    ``pydoc_data/topics.py`` (the documentation), empty files and files that are not UTF-8.
+    Files are read as the iterator advances.
     """
-    from pydoc_data.topics import topics
-
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix())
-    docs: list[str] = []
-    total = 0
-
-    def take(text: str) -> bool:
-        nonlocal total
-        size = len(text.encode())
-        if max_bytes is not None and total + size > max_bytes:
-            return False
-        docs.append(text)
-        total += size
-        return True
-
-    for name in sorted(topics):
-        if not take(topics[name]):
-            return docs
     for path in files:
-        if _skipped(path.relative_to(root), path.stat().st_size, max_file_bytes):
+        relative = path.relative_to(root)
+        if _skipped(relative, path.stat().st_size, max_file_bytes):
             continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if text.strip() and not take(text):
-            return docs
+        if text.strip():
+            yield relative.as_posix(), text
+
+
+def stdlib_topics() -> list[str]:
+    """The documentation topics of ``pydoc_data.topics``, sorted by name."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+def stdlib_documents(max_bytes: int | None = None, max_file_bytes: int = 200_000) -> list[str]:
+    """The documentation topics (:func:`stdlib_topics`), then the stdlib's ``.py`` files
+    (:func:`stdlib_source_files`). ``max_bytes`` caps the total UTF-8 size: documents are taken
+    in order while they fit. Deterministic for a given Python installation.
+    """
+    docs: list[str] = []
+    total = 0
+    sources = (text for _, text in stdlib_source_files(max_file_bytes))
+    for text in itertools.chain(stdlib_topics(), sources):
+        size = len(text.encode())
+        if max_bytes is not None and total + size > max_bytes:
+            break
+        docs.append(text)
+        total += size
     return docs
 
 
@@ -186,17 +194,23 @@ def stdlib_corpus(
 
 
 def stdlib_bpe(corpus: TextCorpus, vocab_size: int = 8192, cache_dir: Path | None = None) -> Path:
-    """A byte-level BPE trained on ``corpus.train``, saved as a Hugging Face tokenizer folder.
-
-    The folder (``<cache_dir>/<corpus name>-bpe<vocab_size>``, default beside the corpus) holds
-    ``tokenizer.json`` and a ``tokenizer_config.json`` naming ``<bos>``, ``<eos>`` and ``<pad>``,
-    so both ``tokenizers.Tokenizer.from_file`` and ``transformers.AutoTokenizer`` load it.
-    Built in a temporary folder and renamed into place; reused when present.
-    """
+    """A byte-level BPE trained on ``corpus.train``, saved as a Hugging Face tokenizer folder
+    (:func:`bpe_folder`: ``<cache_dir>/<corpus name>-bpe<vocab_size>``, default beside the
+    corpus); reused when present."""
     folder = Path(cache_dir or corpus.train.parent) / f"{corpus.name}-bpe{vocab_size}"
     if (folder / "tokenizer.json").is_file():
         return folder
     texts = pq.read_table(corpus.train, columns=[TEXT_COLUMN]).column(TEXT_COLUMN).to_pylist()
+    return bpe_folder(texts, folder, vocab_size)
+
+
+def bpe_folder(texts: Sequence[str], folder: Path, vocab_size: int) -> Path:
+    """``folder`` holding a byte-level BPE of ``vocab_size`` ids trained on ``texts``: its
+    ``tokenizer.json`` and a ``tokenizer_config.json`` naming ``<bos>``, ``<eos>`` and
+    ``<pad>``, so both ``tokenizers.Tokenizer.from_file`` and ``transformers.AutoTokenizer``
+    load it. Built in a temporary folder and renamed into place; an existing one is kept."""
+    if (folder / "tokenizer.json").is_file():
+        return folder
     tok = train_byte_level_bpe(texts, vocab_size=vocab_size)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
