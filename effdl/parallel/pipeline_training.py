@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo  # (optimizers import it, seconds: once here, not in every fork)
 import torch.distributed as dist
 from torch import nn
 
@@ -389,6 +388,9 @@ def run_ranks(cfg: PipelineConfig, step_log: StepLog | None = None) -> list[dict
     """Every rank's result (in the logging process), or None on a torchrun rank other than 0.
     ``step_log``: where rank 0 writes each step's record (the logging process's log)."""
     if "LOCAL_RANK" not in os.environ:
+        # A torch optimizer's first construction imports the compiler stack (seconds): once
+        # here, so that forked ranks inherit it.
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
         return spawn(spawned_rank, cfg.stages, cfg, step_log, backend=cfg.backend)
     dist.init_process_group(cfg.backend)  # not init_from_env: GPUs are shared round-robin
     rank, world = dist.get_rank(), dist.get_world_size()
