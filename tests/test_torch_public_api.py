@@ -1,5 +1,6 @@
-"""effdl reaches into torch only through its public API: no private attribute of another object (a tensor, an
-autograd node or the autograd engine, and no private torch module, in the package's source."""
+"""effdl reaches into torch only through its public API: no private attribute of another object
+(a tensor, an autograd node, the autograd engine) and no private torch module, in the package's
+source."""
 
 from __future__ import annotations
 
