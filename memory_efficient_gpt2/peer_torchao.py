@@ -19,7 +19,7 @@ import functools
 import torch
 
 from effdl.cli import UsageError, base_parser, print_table, run_main, start_run
-from effdl.gpt2_offload.config import FLAGS, TrainConfig, parse_train_args
+from effdl.gpt2_offload.config import FLAGS, OFFLOAD_ONLY_FLAGS, TrainConfig, parse_train_args
 from effdl.gpt2_offload.inputs import initial_model, make_batches, model_folder_config
 from effdl.gpt2_offload.steps import (
     check_memory_caps,
@@ -37,11 +37,8 @@ from effdl.results import RunLog
 TASK = "gpt2"
 COLUMNS = ("step", "lr", "loss", "seq_per_s", "peak_gib", "host_rss_gib")
 # train.py's flags that apply to torchao's optimizer (ours alone has moments, update location,
-# accumulation mode, checkpoint choice, levels and the reference run)
-PEER_FLAGS = tuple(
-    name for name in FLAGS if name not in ("checkpoint_layers", "grad_accumulation",
-    "grad_accumulation_dtype", "moments", "update_on", "level", "cpu_threads", "reference")
-)  # fmt: skip
+# accumulation mode, checkpoint choice, levels, the reference and the baseline runs)
+PEER_FLAGS = tuple(name for name in FLAGS if name not in OFFLOAD_ONLY_FLAGS)
 TORCHAO_MISSING = (
     "peer_torchao.py needs the torchao package (torchao 0.18): pip install torchao==0.18.0, "
     "or offline pip install --no-deps torchao-0.18.0-*.whl"

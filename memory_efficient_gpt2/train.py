@@ -11,9 +11,13 @@ bf16 working weights on the GPU, fp32 master weights and Adam moments on the CPU
     python memory_efficient_gpt2/pretrain.py --device cuda --minutes 4.5 --save /tmp/ckpt
     python memory_efficient_gpt2/train.py --device cuda --model-path /tmp/ckpt --fixed-batch --steps 30 --reference adamw
     python memory_efficient_gpt2/train.py --device cuda --level 3 --steps 8   # GPT-2-XL, 11 GiB
+    python memory_efficient_gpt2/train.py --device cuda --level 2 --steps 8 --baseline
 
-The speed baselines (plain forward+backward) are ``baseline.py``, torchao's offload optimizer
-under the same caps ``peer_torchao.py``.
+The speed baselines (plain forward+backward) are ``baseline.py``; ``--baseline`` times the same
+two models (Hugging Face's GPT-2 under fp16 autocast, and ours in bf16, both without offload,
+cap or checkpointing) right after our run in the same process and logs ``speed_ratio``: our
+median sequences/s over each baseline's best micro-batch. torchao's offload optimizer under the
+same caps is ``peer_torchao.py``.
 
 Data: by default Python's own documentation and source (effdl.data.stdlib_text), tokenized by a
 byte-level BPE of ``--bpe-vocab`` ids trained on it (GPT-2's 50257 by default, so the model keeps
@@ -34,151 +38,38 @@ micro-batches and learning rates, and logs both loss curves and their gap (``equ
 ``--moments int8`` keeps the Adam moments block-wise 8-bit on the host; ``--update-on device``
 runs that 8-bit step on the GPU, bucket by bucket. ``--grad-accumulation-dtype bf16`` sums the
 micro-batches' gradients on the GPU in bf16 (2 B/param instead of 4). ``--level`` names the
-GPT-2-XL presets (effdl.gpt2_offload.config.LEVELS); flags given beside it win. Past
-``--memory-cap-gib`` (peak GPU memory) or ``--host-memory-cap-gib`` (the process's resident set,
-pinned buffers included, sampled after set-up and after every step) the run stops with
-MemoryCapExceeded before that step's record is written.
+GPT-2-XL presets (effdl.gpt2_offload.config.LEVELS: 1 and 2 in 16 GiB of GPU memory, 2 with
+level 3's optimizer for speed; 3 in 11 GiB and 16 GiB of host memory); flags given beside it
+win, and every record's config names the level. Past ``--memory-cap-gib`` (peak GPU memory) or
+``--host-memory-cap-gib`` (the process's resident set, pinned buffers included, sampled after
+set-up and after every step) the run stops with MemoryCapExceeded before that step's record is
+written.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import time
-
 import torch
-from tqdm import tqdm
 
-from effdl.cli import (
-    UsageError,
-    base_parser,
-    device_from_arg,
-    print_table,
-    run_main,
-    start_run,
-)
-from effdl.gpt2_offload.budget import (
-    budget_metrics,
-    measure_activation_bytes,
-    offload_options,
-    optimizer_gpu_gib,
-    pick_checkpoint_layers,
-    require_run_fits,
-)
+from effdl.cli import base_parser, device_from_arg, print_table, run_main, start_run
+from effdl.gpt2_offload.baseline import BaselineConfig, run_baseline, speed_ratios
+from effdl.gpt2_offload.budget import require_run_fits
 from effdl.gpt2_offload.config import TrainConfig, parse_train_args
-from effdl.gpt2_offload.inputs import (
-    initial_model,
-    lr_at,
-    make_batches,
-    model_folder_config,
-    set_lr,
-)
+from effdl.gpt2_offload.inputs import make_batches, model_folder_config
 from effdl.gpt2_offload.reference import (
     MAX_MEAN_GAP_NATS,
     MIN_FALL,
     equivalence_summary,
     run_reference,
 )
-from effdl.gpt2_offload.steps import (
-    check_memory_caps,
-    gpu_peak_gib,
-    host_rss_gib,
-    median,
-    set_memory_cap,
-    speed_summary,
-    start_step,
-    step_metrics,
-)
-from effdl.models.gpt2 import checkpoint_blocks, count_params, gpt2_config, lm_loss
-from effdl.optim import CPUOffloadAdam, OffloadPlan, plan_offload
-from effdl.profiling.memory import ALLOC_CONF, use_expandable_segments
+from effdl.gpt2_offload.run import start_offload, summarize, train_offload
+from effdl.models.gpt2 import gpt2_config
+from effdl.profiling.memory import use_expandable_segments
 from effdl.profiling.timing import GIB
 from effdl.results import RunLog
 
 TASK = "gpt2"
-TIMELINE_KINDS = ("gpu_compute", "d2h", "h2d", "cpu_update", "cpu_accumulate", "step_wait")
 TABLE_COLUMNS = ("step", "loss", "seq_per_s", "peak_gib", "host_rss_gib", "gpu_compute_s",
                  "d2h_s", "h2d_s", "cpu_update_s", "step_wait_s")  # fmt: skip
-
-
-def resolve_cpu_threads(requested: int | None) -> int:
-    """Threads for the CPU update: as requested, or all cores but two (left to data and launch)."""
-    return requested or max(1, (os.cpu_count() or 2) - 2)
-
-
-def build_optimizer(
-    model: torch.nn.Module, cfg: TrainConfig, device: torch.device, threads: int
-) -> tuple[CPUOffloadAdam, OffloadPlan]:
-    """CPUOffloadAdam over ``model``'s parameters as ``cfg`` asks, and the plan of what it
-    allocates (effdl.optim.plan_offload with the same arguments)."""
-    options = offload_options(cfg)
-    plan = plan_offload([p.numel() for p in model.parameters()], **options)
-    opt = CPUOffloadAdam(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, device=device,
-        num_threads=threads, **options,
-    )  # fmt: skip
-    return opt, plan
-
-
-def run_config(
-    cfg: TrainConfig, n_params: int, ckpt: int, threads: int, data: dict[str, str]
-) -> dict:
-    """The ``config`` of every record of an offloaded run (``data``: make_batches's names of
-    the data set and tokenizer)."""
-    return {
-        "size": cfg.size,
-        "n_params": n_params,
-        "seq": cfg.seq,
-        "batch": cfg.batch,
-        "micro_batch": cfg.micro_batch,
-        "n_micro": cfg.batch // cfg.micro_batch,
-        "checkpoint_layers": ckpt,
-        "grad_accumulation": cfg.grad_accumulation,
-        "grad_accumulation_dtype": cfg.grad_accumulation_dtype,
-        "lr": cfg.lr,
-        "warmup_steps": cfg.warmup_steps,
-        "lr_schedule": cfg.lr_schedule,
-        "dropout": cfg.dropout,
-        "cpu_threads": threads,
-        "memory_cap_gib": cfg.memory_cap_gib,
-        "host_memory_cap_gib": cfg.host_memory_cap_gib,
-        "cuda_alloc_conf": os.environ.get(ALLOC_CONF, ""),
-        "moments": cfg.moments,
-        "update_on": cfg.update_on,
-        "level": cfg.level,
-        "chunk_tokens": cfg.chunk_tokens,
-        **data,
-        "pretrained": cfg.model_path is not None,
-    }
-
-
-def train_step(
-    model: torch.nn.Module,
-    opt: CPUOffloadAdam,
-    batch: torch.Tensor,
-    cfg: TrainConfig,
-    device: torch.device,
-    lr: float,
-) -> dict:
-    """One optimizer step at ``lr`` over ``batch`` in micro-batches; step_metrics and the
-    timeline totals."""
-    n_micro = cfg.batch // cfg.micro_batch
-    opt.timeline.reset()
-    set_lr(opt, lr)  # before the final backward: buckets are updated inside it
-    t0 = start_step(device)
-    losses = []
-    for i, mb in enumerate(batch.split(cfg.micro_batch)):
-        start = opt.timeline.mark()
-        loss = lm_loss(model, mb.to(device, non_blocking=True), cfg.chunk_tokens) / n_micro
-        opt.backward(loss, final=i == n_micro - 1)
-        opt.timeline.add("gpu_compute", i, start, opt.timeline.mark())
-        losses.append(loss.detach())
-    t_step = time.perf_counter()
-    opt.step()
-    opt.timeline.add("step_wait", -1, t_step, time.perf_counter())
-    metrics = step_metrics(cfg, device, t0, losses, lr)
-    totals = opt.timeline.totals()
-    return {**metrics, **{f"{kind}_s": totals.get(kind, 0.0) for kind in TIMELINE_KINDS}}
 
 
 def run_offload(
@@ -190,61 +81,39 @@ def run_offload(
     data: dict[str, str],
 ) -> tuple[list[dict], dict, dict]:
     """Train on ``batches`` with CPUOffloadAdam under the memory caps from the weights of
-    ``seed``; a ``memory_budget`` record, one record per step, then a summary (returns the step
-    metrics, the summary's and the records' config). Both caps are checked after set-up (before
-    any record) and after every step (before its record): past one, MemoryCapExceeded."""
-    cuda = device.type == "cuda"
-    if cuda:
-        set_memory_cap(device, cfg.memory_cap_gib)
-    threads = resolve_cpu_threads(cfg.cpu_threads)
-    model = initial_model(cfg, seed).train()
-    n_params = count_params(model)
-    opt, plan = build_optimizer(model, cfg, device, threads)
-    model.to(device)  # buffers; parameters are already bf16 working copies on the device
-    static_gib = torch.cuda.memory_allocated(device) / GIB if cuda else math.nan
-    act_bytes = measure_activation_bytes(model, opt, device, cfg) if cuda else None
-    rss_peak = host_rss_gib()
-    check_memory_caps(cfg, "after set-up", gpu_peak_gib(device), rss_peak)
-    ckpt = pick_checkpoint_layers(cfg, n_params, act_bytes, optimizer_gpu_gib(plan))
-    checkpoint_blocks(model, ckpt)
-    opt.timeline.enabled = True
-    config = run_config(cfg, n_params, ckpt, threads, data)
-    measured = {
-        "measured_static_gib": static_gib,
-        "measured_setup_host_rss_gib": rss_peak,
-        "measured_moment_gib": opt.moment_nbytes() / GIB,
-    }
-    budget = budget_metrics(cfg, n_params, ckpt, plan, measured, act_bytes)
-    log.log("memory_budget", config, budget)
+    ``seed`` (effdl.gpt2_offload.run): a ``memory_budget`` record, one record per step, then a
+    summary; returns the step metrics, the summary's and the records' config. Past a cap,
+    MemoryCapExceeded before the record it would spoil."""
+    run = start_offload(cfg, device, log, seed, data)
     variant = "fixed_batch" if cfg.fixed_batch else "corpus"
-    rows = []
-    for step, batch in enumerate(tqdm(batches, desc=variant, unit="step")):
-        metrics = {"step": step, **train_step(model, opt, batch, cfg, device, lr_at(step, cfg))}
-        rss_peak = max(rss_peak, metrics["host_rss_gib"])
-        metrics["host_rss_peak_gib"] = rss_peak
-        check_memory_caps(cfg, f"step {step}", metrics["peak_gib"], metrics["host_rss_gib"])
-        if step == len(batches) - 1:
-            metrics["timeline"] = opt.timeline.spans()
-        log.log(variant, config, metrics)
-        rows.append(metrics)
-    opt.close()
-    summary = summarize(rows, cfg.fixed_batch, budget)
-    log.log(f"{variant}_summary", config, summary)
-    return rows, summary, config
+    rows = train_offload(run, cfg, batches, device, log, variant)
+    run.opt.close()
+    summary = summarize(rows, cfg.fixed_batch, run.budget)
+    log.log(f"{variant}_summary", run.config, summary)
+    return rows, summary, run.config
 
 
-def summarize(rows: list[dict], fixed_batch: bool, budget: dict) -> dict:
-    """speed_summary with the step time split's medians, the host resident set's peak since
-    set-up, and the budget's totals beside the measured peaks."""
-    timed = rows[1:] or rows
-    return {
-        **speed_summary(rows, fixed_batch),
-        **{f"{k}_s_median": median([r[f"{k}_s"] for r in timed]) for k in TIMELINE_KINDS},
-        "gpu_budget_gib": budget["gpu_total_gib"],
-        "host_rss_peak_gib": rows[-1]["host_rss_peak_gib"],
-        "host_budget_gib": budget["host_total_gib"],
-        "state": budget["state"],
-    }
+def run_speed_baseline(
+    cfg: TrainConfig, summary: dict, config: dict, device: torch.device, log: RunLog
+) -> None:
+    """The baselines of effdl.gpt2_offload.baseline at ``--baseline-micro-batches`` on this
+    run's model size, sequence and weights, then a ``speed_ratio`` record (our run's config):
+    our median speed over each baseline's best."""
+    base = BaselineConfig(
+        size=cfg.size, seq=cfg.seq, micro_batches=cfg.baseline_micro_batches,
+        chunk_tokens=cfg.chunk_tokens, dropout=cfg.dropout, model_path=cfg.model_path,
+    )  # fmt: skip
+    rows, bests = run_baseline(base, device, log)
+    ratios = speed_ratios(summary["seq_per_s_median"], bests)
+    log.log("speed_ratio", config, ratios)
+    print_table(rows, title="Baselines: forward+backward without offload (random token ids)")
+    level = f"--level {cfg.level}" if cfg.level is not None else "our run"
+    for variant, best in bests.items():
+        print(
+            f"{level}: {ratios['seq_per_s_median']:.2f} seq/s = "
+            f"{ratios[f'ratio_to_{variant}']:.3f}x {variant} ({best['seq_per_s']:.2f} seq/s at "
+            f"micro-batch {best['micro_batch']}: {ratios[f'{variant}_is']})"
+        )
 
 
 def print_offload(rows: list[dict], summary: dict, fixed_batch: bool, title: str) -> None:
@@ -285,11 +154,6 @@ def main() -> None:
     require_run_fits(cfg, model_config, device)  # before the data and the model are made
     batches, data = make_batches(cfg, model_config.vocab_size, args.seed)
     run = start_run(args, task=TASK, logs="gpt2.jsonl")
-    if cfg.update_on == "device" and run.device.type != "cuda":
-        raise UsageError(
-            f"--update-on device runs the 8-bit Adam step on the GPU: it needs --device cuda "
-            f"(this run is on {run.device})"
-        )
     rows, summary, config = run_offload(cfg, batches, run.device, run.log, args.seed, data)
     title = f"CPU-offloaded Adam on {run.where} (log: {run.log.path})"
     print_offload(rows, summary, cfg.fixed_batch, title)
@@ -298,6 +162,8 @@ def main() -> None:
         eq = equivalence_summary(rows, reference)
         run.log.log("equivalence", config, eq)
         print_equivalence(rows, reference, eq, data["data"])
+    if cfg.baseline:
+        run_speed_baseline(cfg, summary, config, run.device, run.log)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """memory_efficient_gpt2/train.py's GPT-2-XL flags: --moments / --update-on /
 --grad-accumulation-dtype validated in one line, the --level presets resolved under the flags
-given beside them (effdl.gpt2_offload.config), level 3's GPU estimate within its cap
-(effdl.gpt2_offload.budget), the host and GPU memory caps failing loudly before a record, and
-the summary's budget beside the measured peaks."""
+given beside them (effdl.gpt2_offload.config) and named in the records, level 3's GPU estimate
+within its cap (effdl.gpt2_offload.budget), the host and GPU memory caps failing loudly before a
+record, the summary's budget beside the measured peaks, and --baseline's speed ratios."""
 
-import dataclasses
 import sys
 
 import pytest
 import torch
 
 import effdl.gpt2_offload.budget as budget
+import effdl.gpt2_offload.run as offload_run
 from effdl.cli import UsageError, base_parser, run_main
 from effdl.gpt2_offload.budget import gpu_estimate, optimizer_gpu_gib, pick_checkpoint_layers
 from effdl.gpt2_offload.config import (
@@ -80,7 +80,9 @@ def test_level_presets_resolve_as_stated_and_given_flags_win(monkeypatch):
                   "grad_accumulation_dtype": "fp32"}  # fmt: skip
     assert {k: getattr(level_1, k) for k in expected_1} == expected_1
     level_2 = parsed(["--level", "2"], monkeypatch)
-    assert level_2 == dataclasses.replace(level_1, level=2)
+    expected_2 = {**expected_1, "level": 2, "moments": "int8", "update_on": "device",
+                  "grad_accumulation_dtype": "bf16"}  # fmt: skip
+    assert {k: getattr(level_2, k) for k in expected_2} == expected_2
     level_3 = parsed(["--level", "3"], monkeypatch)
     expected_3 = {"size": "xl", "memory_cap_gib": 11.0, "host_memory_cap_gib": 16.0,
                   "moments": "int8", "update_on": "device", "grad_accumulation": "gpu",
@@ -91,6 +93,36 @@ def test_level_presets_resolve_as_stated_and_given_flags_win(monkeypatch):
     assert (given.batch, given.seq) == (64, 1024)  # 64 x 1024 tokens per step
 
 
+def test_every_level_sets_the_same_flags_and_its_records_name_it():
+    assert len({frozenset(preset) for preset in LEVELS.values()}) == 1
+    data = {"data": "stdlib", "tokenizer": "bpe"}
+    for level in LEVELS:
+        config = offload_run.run_config(parsed_level(level), XL_PARAMS, 10, 4, data)
+        assert config["level"] == level
+        assert {k: config[k] for k in LEVELS[level] if k in config} == {
+            k: v for k, v in LEVELS[level].items() if k in config
+        }
+
+
+def test_baseline_after_the_run_logs_each_model_and_the_speed_ratios(tmp_path, monkeypatch, capsys):
+    code, _ = run_train(["--steps", "2", "--baseline"], tmp_path, monkeypatch, capsys)
+    assert code == 0
+    records = read_records(tmp_path / "gpt2.jsonl")
+    assert [r["variant"] for r in records] == [
+        "memory_budget", "corpus", "corpus", "corpus_summary", "baseline", "baseline",
+        "baseline_best", "baseline_own", "baseline_own", "baseline_own_best", "speed_ratio",
+    ]  # fmt: skip
+    summary, ratio = records[3], records[-1]
+    assert ratio["config"] == summary["config"]
+    assert [r["config"]["micro_batch"] for r in records[4:6]] == list(QUICK.baseline_micro_batches)
+    ours = summary["metrics"]["seq_per_s_median"]
+    for variant in ("baseline", "baseline_own"):
+        best = next(r["metrics"] for r in records if r["variant"] == f"{variant}_best")
+        assert ratio["metrics"][f"ratio_to_{variant}"] == pytest.approx(ours / best["seq_per_s"])
+        assert ratio["metrics"][f"{variant}_micro_batch"] == best["micro_batch"]
+    assert ratio["metrics"]["baseline_is"].startswith("Hugging Face")
+
+
 @pytest.fixture
 def nothing_built(monkeypatch):
     """A refused run must stop before its data and its model are made."""
@@ -99,7 +131,7 @@ def nothing_built(monkeypatch):
         raise AssertionError("the run was not refused before building")
 
     monkeypatch.setattr(train, "make_batches", built)
-    monkeypatch.setattr(train, "initial_model", built)
+    monkeypatch.setattr(offload_run, "initial_model", built)
 
 
 @pytest.mark.parametrize("level", sorted(LEVELS))
@@ -275,6 +307,24 @@ def test_bf16_accumulator_run_records_its_dtype_and_bytes(tmp_path, monkeypatch,
     for row in ("grad_accumulation", "grad"):  # on the GPU, and its copy for the host update
         assert (state[row]["dtype"], state[row]["bytes"]) == ("bf16", 2 * n_params)
     assert budget["metrics"]["gpu_grad_accumulation_gib"] == pytest.approx(2 * n_params / 2**30)
+
+
+@pytest.mark.gpu
+def test_level_2_runs_on_cuda_and_is_timed_against_the_baselines(tmp_path, monkeypatch, capsys):
+    argv = ["--level", "2", "--size", "tiny", "--device", "cuda", "--steps", "3", "--baseline"]
+    code, _ = run_train(argv, tmp_path, monkeypatch, capsys)
+    assert code == 0
+    records = read_records(tmp_path / "gpt2.jsonl")
+    summary = next(r for r in records if r["variant"] == "corpus_summary")
+    ratio = records[-1]
+    assert ratio["variant"] == "speed_ratio"
+    for record in (summary, ratio):
+        assert record["config"]["level"] == 2 and record["config"]["memory_cap_gib"] == 16.0
+        assert record["config"]["update_on"] == "device"
+    assert 0 < summary["metrics"]["peak_gib_max"] <= 16
+    assert (
+        ratio["metrics"]["ratio_to_baseline"] > 0 and ratio["metrics"]["ratio_to_baseline_own"] > 0
+    )
 
 
 @pytest.mark.gpu

@@ -58,13 +58,19 @@ def host_bytes_needed(plan: OffloadPlan, device: torch.device) -> int:
 
 def require_run_fits(cfg: TrainConfig, model_config, device: torch.device) -> OffloadPlan:
     """Refuse, in one line and before anything is allocated, a run this machine cannot hold:
-    a ``--level`` preset (a GPU memory target) off a CUDA device, or a run whose host bytes
+    a ``--level`` preset (a GPU memory target) or the 8-bit update on the device off a CUDA
+    device, or a run whose host bytes
     (:func:`host_bytes_needed` of its plan) exceed the host's available memory. Returns the
     plan."""
     if cfg.level is not None and device.type != "cuda":
         raise UsageError(
             f"--level {cfg.level} is a GPU preset (peak GPU memory under --memory-cap-gib "
             f"{cfg.memory_cap_gib:g}): it needs --device cuda (this run is on {device})"
+        )
+    if cfg.update_on == "device" and device.type != "cuda":
+        raise UsageError(
+            f"--update-on device runs the 8-bit Adam step on the GPU: it needs --device cuda "
+            f"(this run is on {device})"
         )
     plan = plan_offload(param_numels(model_config), **offload_options(cfg))
     need = host_bytes_needed(plan, device)

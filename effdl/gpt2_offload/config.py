@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,12 +29,15 @@ GENERATED = "generated"  # --data value of the synthetic token stream
 LR_SCHEDULES = ("constant", "cosine")
 REFERENCES = ("none", "adamw")
 
-# GPT-2-XL presets, sugar over the flags (flags given beside --level win). Level 2 runs level 1's
-# configuration: its target is the speed against the baseline run.
-LEVEL_1 = {"size": "xl", "memory_cap_gib": 16.0, "moments": "fp32", "update_on": "host"}
+# GPT-2-XL presets, sugar over the flags (flags given beside --level win). Each sets every flag
+# the levels differ in, so a level applies whole over any other preset.
 LEVELS: dict[int, dict] = {
-    1: LEVEL_1,
-    2: LEVEL_1,
+    1: {"size": "xl", "memory_cap_gib": 16.0, "host_memory_cap_gib": None, "moments": "fp32",
+        "update_on": "host", "grad_accumulation": "gpu", "grad_accumulation_dtype": "fp32"},
+    # Level 1's 16 GiB, for speed: level 3's optimizer frees GPU memory (fewer blocks recomputed)
+    # and takes the update off the CPU.
+    2: {"size": "xl", "memory_cap_gib": 16.0, "host_memory_cap_gib": None, "moments": "int8",
+        "update_on": "device", "grad_accumulation": "gpu", "grad_accumulation_dtype": "bf16"},
     3: {"size": "xl", "memory_cap_gib": 11.0, "host_memory_cap_gib": 16.0, "moments": "int8",
         "update_on": "device", "grad_accumulation": "gpu", "grad_accumulation_dtype": "bf16"},
 }  # fmt: skip
@@ -71,6 +74,8 @@ class TrainConfig:
     corpus_bytes: int | None = None  # cap of the stdlib corpus; None: all of it
     cache: Path = DEFAULT_CACHE
     reference: str = "none"
+    baseline: bool = False  # after the run: the plain models' forward+backward, same process
+    baseline_micro_batches: tuple[int, ...] = (4, 8, 16)
 
     def validate(self) -> None:
         require_choices(self, "size", sorted(SHAPES))
@@ -99,6 +104,9 @@ class TrainConfig:
                 "reference AdamW decays decoupled (the same update only without decay)"
             )
         self._validate_text()
+        require_positive(self, "baseline_micro_batches")
+        require_fits("--baseline-micro-batches --seq", max(self.baseline_micro_batches) * self.seq,
+                     "a baseline micro-batch's token ids (int64)", 8)  # fmt: skip
         require_processes(self, "cpu_threads", minimum=1)
         if not self.memory_cap_gib > 0:
             raise UsageError(f"--memory-cap-gib must be > 0, got {self.memory_cap_gib}")
@@ -150,6 +158,7 @@ QUICK = TrainConfig(
     size="tiny",
     bpe_vocab=512,
     corpus_bytes=1 << 20,
+    baseline_micro_batches=(2, 4),
 )
 
 # add_argument keywords of each TrainConfig field's flag
@@ -203,18 +212,39 @@ FLAGS: dict[str, dict] = {
         "choices": REFERENCES,
         "help": "adamw: after our run, the same steps with torch AdamW (fp32 + bf16 autocast)",
     },
+    "baseline": {
+        "action": "store_true",
+        "help": "after our run: Hugging Face's and our GPT-2 forward+backward without offload, "
+        "timed in this process, and our speed over each",
+    },
+    "baseline_micro_batches": {
+        "type": int,
+        "nargs": "+",
+        "help": "sequences per forward/backward at which --baseline times each model",
+    },
 }
+# flags of our offloaded run alone (a peer optimizer or a probe has no use for them)
+OFFLOAD_ONLY_FLAGS = ("checkpoint_layers", "grad_accumulation", "grad_accumulation_dtype",
+                      "moments", "update_on", "level", "cpu_threads", "reference", "baseline",
+                      "baseline_micro_batches")  # fmt: skip
 
 
 def parse_train_args(
-    parser: argparse.ArgumentParser, names: Iterable[str] = tuple(FLAGS)
+    parser: argparse.ArgumentParser,
+    names: Iterable[str] = tuple(FLAGS),
+    full: TrainConfig = FULL,
+    quick: TrainConfig = QUICK,
+    extra: Mapping[str, dict] | None = None,
 ) -> tuple[argparse.Namespace, TrainConfig]:
-    """Add the flags of the fields ``names`` (default: all) to ``parser``, parse the command
+    """Add the flags of the fields ``names`` (default: all) and the ``extra`` flags (a field of
+    ``full``'s class each, with its ``add_argument`` keywords) to ``parser``, parse the command
     line, fill in the ``--level`` preset under the flags given beside it, and return (args, the
-    validated config)."""
-    flags = ConfigFlags(parser, FULL, QUICK)
+    config: ``full`` or, with ``--quick``, ``quick``, with the flags given; validated)."""
+    flags = ConfigFlags(parser, full, quick)
     for name in names:
         flags.add(name, **FLAGS[name])
+    for name, options in (extra or {}).items():
+        flags.add(name, **options)
     args = parser.parse_args()
     apply_level(args)
     return args, flags.resolve(args)

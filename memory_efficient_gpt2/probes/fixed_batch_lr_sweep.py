@@ -25,7 +25,7 @@ import torch
 
 from effdl.cli import UsageError, base_parser, print_table, run_main, start_run
 from effdl.data.token_streams import next_token_entropies
-from effdl.gpt2_offload.config import parse_train_args
+from effdl.gpt2_offload.config import FLAGS, parse_train_args
 from effdl.gpt2_offload.inputs import make_batches
 from effdl.gpt2_offload.reference import run_reference
 from effdl.models.gpt2 import gpt2_config
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 1e-3])
     parser.add_argument("--beta2s", type=float, nargs="+", default=[0.999])
     parser.add_argument("--batches", type=int, nargs="+", default=None)
-    args, cfg = parse_train_args(parser)
+    args, cfg = parse_train_args(parser, [n for n in FLAGS if not n.startswith("baseline")])
     cfg = dataclasses.replace(cfg, fixed_batch=True)
     for n in args.batches or []:
         try:
