@@ -1,4 +1,4 @@
-"""Pretrain GPT-2 on the stdlib corpus, for train.py's fixed-batch test to start from.
+"""Pretrain GPT-2 on the stdlib corpus: the starting weights of train.py and finetune_code.py.
 
 From random init, 30 steps on one fixed batch take the loss only down to the batch's unigram
 entropy (``probes/fixed_batch_lr_sweep.py`` logs both): a model that knows no context cannot
@@ -7,15 +7,22 @@ memorize faster. A few minutes of pretraining give one that does.
     python memory_efficient_gpt2/pretrain.py --quick                      # CPU smoke run, tiny GPT-2
     python memory_efficient_gpt2/pretrain.py --device cuda --minutes 4.5 --save /tmp/ckpt
     python memory_efficient_gpt2/train.py --device cuda --model-path /tmp/ckpt --fixed-batch --steps 30 --reference adamw
+    python memory_efficient_gpt2/pretrain.py --device cuda --corpus docs --size xl --skip-tokens 16384 --steps 40 --save /tmp/xl-docs
 
-Data: the token stream train.py reads by default (effdl.data.stdlib_text.stdlib_training_text:
-the stdlib corpus's training half, its byte-level BPE of ``--bpe-vocab`` ids, ``<bos>`` before
-every document; the same ``--cache`` and ``--corpus-bytes``). train.py's ``--fixed-batch`` is
-the first ``batch x seq`` tokens of that stream; the first ``--skip-tokens`` tokens (default:
-that batch at train.py's default ``--batch`` and ``--seq``, also under ``--quick``) are never
-trained on, only evaluated at the end (``heldout_loss``, beside their unigram and bigram
-entropies). The rest is cut into ``--seq``-token windows, drawn in a seeded random order, a new
-order each pass (the run repeats passes if the steps need more tokens than the corpus has).
+Data (``--corpus stdlib``, the default): the token stream train.py reads by default
+(effdl.data.stdlib_text.stdlib_training_text: the stdlib corpus's training half, documentation
+and source, its byte-level BPE of ``--bpe-vocab`` ids, ``<bos>`` before every document; the
+same ``--cache`` and ``--corpus-bytes``). train.py's ``--fixed-batch`` is the first ``batch x
+seq`` tokens of that stream; the first ``--skip-tokens`` tokens (default: that batch at
+train.py's default ``--batch`` and ``--seq``, also under ``--quick``) are never trained on, only
+evaluated at the end (``heldout_loss``, beside their unigram and bigram entropies). The rest is
+cut into ``--seq``-token windows, drawn in a seeded random order, a new order each pass (the
+run repeats passes if the steps need more tokens than the corpus has).
+
+``--corpus docs`` trains on the documentation topics alone, no code file, read by the BPE of
+the stdlib code corpus (effdl.data.stdlib_code: trained on the documentation and the training
+code files; ``--corpus-bytes`` caps those files), so that finetune_code.py starts from a model
+that has seen none of the code it fine-tunes on or evaluates.
 
 The skip is exact: the saved folder carries the BPE's ``tokenizer.json`` and train.py with
 ``--model-path`` keeps its ``<bos>`` id between documents, so both cut the identical stream.
@@ -38,12 +45,10 @@ no folder under that name. An existing ``--save`` is refused before any work.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +69,11 @@ from effdl.cli import (
     start_run,
 )
 from effdl.data.corpus import CorpusFormatError
+from effdl.data.stdlib_code import docs_training_text
 from effdl.data.stdlib_text import DEFAULT_CACHE, TrainingText, stdlib_training_text
 from effdl.data.token_streams import next_token_entropies, text_stream
+from effdl.gpt2_offload.evaluate import amp_context, heldout_loss
+from effdl.gpt2_offload.inputs import step_windows, token_windows
 from effdl.models.gpt2 import (
     SHAPES,
     backward_micro_batches,
@@ -82,6 +90,7 @@ from effdl.results import RunLog
 
 TASK = "gpt2"
 LOG = "gpt2_pretrain.jsonl"
+CORPORA = ("stdlib", "docs")
 BETAS = (0.9, 0.95)  # the usual LM-pretraining beta2: steadier than 0.999 on a short run
 TABLE_ROWS = 12  # steps shown in the printed table (all are logged)
 
@@ -91,6 +100,7 @@ class PretrainConfig:
     """Settings of one pretraining run (``--quick``: :data:`QUICK`)."""
 
     size: str = "large"
+    corpus: str = "stdlib"  # or "docs": the documentation alone
     steps: int = 400  # the cosine's length (--minutes may stop the run earlier)
     batch: int = 32  # sequences per optimizer step
     seq: int = 1024
@@ -110,6 +120,7 @@ class PretrainConfig:
 
     def validate(self) -> None:
         require_choices(self, "size", sorted(SHAPES))
+        require_choices(self, "corpus", CORPORA)
         require_positive(self, "steps", "batch", "seq", "micro_batch", "chunk_tokens")
         require_positive(self, "lr", "weight_decay", "warmup_steps", "skip_tokens", minimum=0)
         require_positive(self, "bpe_vocab", minimum=259)  # 256 bytes and 3 special tokens
@@ -156,6 +167,7 @@ def parse_args() -> tuple[argparse.Namespace, PretrainConfig]:
     p = base_parser(__doc__.splitlines()[0], default_out="runs/gpt2")
     flags = ConfigFlags(p, FULL, QUICK)
     flags.add("size", choices=sorted(SHAPES), help="GPT-2 shape, random init from --seed")
+    flags.add("corpus", choices=CORPORA, help="stdlib: documentation and source; docs: no code")
     flags.add("steps", type=int, help="optimizer steps (the lr schedule's length)")
     flags.add("batch", type=int, help="sequences per optimizer step")
     flags.add("seq", type=int, help="tokens per sequence")
@@ -189,9 +201,11 @@ class PretrainData:
 
 
 def pretrain_data(cfg: PretrainConfig) -> PretrainData:
-    """All of train.py's default token stream (:func:`stdlib_training_text` with the BPE),
-    split at ``skip_tokens``; :class:`UsageError` when fewer than ``batch`` windows are left."""
-    text = stdlib_training_text(cfg.cache, cfg.bpe_vocab, cfg.corpus_bytes)
+    """All of the ``corpus`` token stream (``stdlib``: train.py's default,
+    :func:`stdlib_training_text` with the BPE; ``docs``: :func:`docs_training_text`), split at
+    ``skip_tokens``; :class:`UsageError` when fewer than ``batch`` windows are left."""
+    read = stdlib_training_text if cfg.corpus == "stdlib" else docs_training_text
+    text = read(cfg.cache, cfg.bpe_vocab, cfg.corpus_bytes)
     try:
         tokens = text_stream(
             text.docs, None, SHAPES[cfg.size].vocab_size, text.tokenizer_dir, text.name,
@@ -199,40 +213,18 @@ def pretrain_data(cfg: PretrainConfig) -> PretrainData:
         )  # fmt: skip
     except CorpusFormatError as e:
         raise UsageError(f"corpus: {e}") from None
-    rest = tokens[cfg.skip_tokens :]
-    windows = rest[: len(rest) // cfg.seq * cfg.seq].view(-1, cfg.seq)
+    windows = token_windows(tokens[cfg.skip_tokens :], cfg.seq)
     if len(windows) < cfg.batch:
         raise UsageError(
             f"{text.name} gives {len(tokens):,} tokens: past --skip-tokens {cfg.skip_tokens} "
             f"they make {len(windows)} windows of --seq {cfg.seq}, fewer than --batch "
             f"{cfg.batch} (raise --corpus-bytes)"
         )
-    head = tokens[: cfg.skip_tokens]
-    heldout = head[: len(head) // cfg.seq * cfg.seq].view(-1, cfg.seq)
+    heldout = token_windows(tokens[: cfg.skip_tokens], cfg.seq)
     return PretrainData(heldout, windows, text, len(tokens))
 
 
-def step_windows(windows: torch.Tensor, batch: int, seed: int) -> Iterator[torch.Tensor]:
-    """Endless ``(batch, seq)`` batches of ``windows``' rows: each pass over them in a fresh
-    random order drawn from ``seed`` (a batch may straddle two passes)."""
-    g = torch.Generator().manual_seed(seed)
-    order = torch.empty(0, dtype=torch.long)
-    while True:
-        while len(order) < batch:
-            order = torch.cat([order, torch.randperm(len(windows), generator=g)])
-        yield windows[order[:batch]]
-        order = order[batch:]
-
-
 # ----------------------------------------------------------------------------------- training
-def amp_context(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; plain fp32 on the CPU (its bf16 matmuls are slow, and it only
-    runs the smoke test)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def train_step(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
@@ -269,22 +261,6 @@ def train_step(
         "tokens_per_s": cfg.batch * cfg.seq / wall,
         "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else math.nan,
     }
-
-
-@torch.no_grad()
-def heldout_loss(
-    model: torch.nn.Module, rows: torch.Tensor, cfg: PretrainConfig, device: torch.device
-) -> float:
-    """Mean next-token loss over ``rows`` (``nan`` for none), in micro-batches, in eval mode."""
-    if len(rows) == 0:
-        return math.nan
-    model.eval()
-    total = torch.zeros((), device=device)
-    for mb in rows.split(cfg.micro_batch):
-        with amp_context(device):
-            total += lm_loss(model, mb.to(device), cfg.chunk_tokens).float() * len(mb)
-    model.train()
-    return float(total) / len(rows)
 
 
 def new_model(cfg: PretrainConfig, device: torch.device) -> torch.nn.Module:
@@ -379,7 +355,7 @@ def main() -> None:
         "amp": "bf16" if run.device.type == "cuda" else "none", "device": str(run.device),
     }  # fmt: skip
     rows, stopped = pretrain(model, cfg, data, run.device, run.log, args.seed, config)
-    heldout = heldout_loss(model, data.heldout, cfg, run.device)
+    heldout = heldout_loss(model, data.heldout, cfg.micro_batch, cfg.chunk_tokens, run.device)
     summary = summarize(rows, data, cfg, heldout, stopped)
     save_gpt2_folder(model.cpu(), save, data.text.tokenizer_dir, {"config": config, **summary})
     run.log.log("pretrain_summary", config, {**summary, "saved": str(save)})

@@ -1,9 +1,11 @@
 """What a GPT-2 offload run trains: the model (random init or a checked local folder, the same
-weights for every run of one invocation), the batches of each step, and the learning rates."""
+weights for every run of one invocation), the batches of each step (cut in order from a stream,
+or drawn from its windows pass by pass), and the learning rates."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -112,3 +114,20 @@ def set_lr(opt, lr: float) -> None:
     """Give every parameter group of ``opt`` the learning rate ``lr``."""
     for group in opt.param_groups:
         group["lr"] = lr
+
+
+def token_windows(tokens: torch.Tensor, seq: int) -> torch.Tensor:
+    """``tokens`` (1-d) cut into ``(n, seq)`` rows in order, the remainder dropped."""
+    return tokens[: len(tokens) // seq * seq].view(-1, seq)
+
+
+def step_windows(windows: torch.Tensor, batch: int, seed: int) -> Iterator[torch.Tensor]:
+    """Endless ``(batch, seq)`` batches of ``windows``' rows: each pass over them in a fresh
+    random order drawn from ``seed`` (a batch may straddle two passes)."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.long)
+    while True:
+        while len(order) < batch:
+            order = torch.cat([order, torch.randperm(len(windows), generator=g)])
+        yield windows[order[:batch]]
+        order = order[batch:]
