@@ -5,7 +5,9 @@ or fixed (seed 000, Task 3), timed and logged.
 one setting, so each fix can be measured alone. Measured: the epoch's wall time (train +
 validation) and images/s over it, the host's wait for every batch against the device time of
 every step (CUDA events), peak GPU memory of each pass, and loss/accuracy (validation both as
-the pipeline reports it and image-weighted). One record per run in ``vit_pipeline.jsonl``.
+the pipeline reports it and image-weighted). One record per run in ``vit_pipeline.jsonl``; the
+training pass's own record goes to ``vit_train_epoch.jsonl`` before validation starts, so a run
+stopped during validation keeps it. A training loss that turns non-finite is refused (``--lr``).
 
     python task3_vit_profiling/train.py --quick --pipeline as_given          # CPU smoke run
     python task3_vit_profiling/train.py --device cuda --pipeline as_given
@@ -19,10 +21,11 @@ from __future__ import annotations
 import math
 
 import effdl.vit_pipeline as vp
-from effdl.cli import Run, print_table, run_main, start_run
+from effdl.cli import Run, print_table, require_converged, run_main, start_run
 from effdl.profiling.timing import TimingStats
 
 LOG = "vit_pipeline.jsonl"
+TRAIN_LOG = "vit_train_epoch.jsonl"  # the training pass alone, written before validation
 
 
 def wait_over_step(phase: vp.PhaseResult) -> float:
@@ -89,22 +92,24 @@ def summary_row(cfg: vp.PipelineConfig, m: dict) -> dict:
 
 def main() -> None:
     args, cfg = vp.parse_config(__doc__.splitlines()[0], default_out="runs/vit")
-    run: Run = start_run(args, task="task3_vit", logs=LOG)
+    run: Run = start_run(args, task="task3_vit", logs=(LOG, TRAIN_LOG))
     cfg = vp.for_device(cfg, run.device)
     data = vp.prepare_data(cfg)
     train_loader, val_loader = vp.make_loaders(cfg, data)
     trainer = vp.build_trainer(cfg, run.device, len(data.classes))
     print(f"{cfg.pipeline}: {data.source}, {len(train_loader.dataset)} train / "
           f"{len(val_loader.dataset)} val images, {trainer.n_params:,} parameters, on {run.where}")  # fmt: skip
-    train = vp.run_phase(trainer, train_loader, train=True)
-    val = vp.run_phase(trainer, val_loader, train=False)
-    metrics = epoch_metrics(cfg, train, val)
     config = {**cfg.recorded(), "source": data.source, "n_params": trainer.n_params,
               "device": str(run.device), "seed": run.seed, "run_id": run.run_id}  # fmt: skip
+    train = vp.run_phase(trainer, train_loader, train=True)
+    for step, loss in enumerate(train.losses):
+        require_converged("--lr", f"training at step {step}", loss)
+    train_metrics = {"n_train": train.n_images, **phase_metrics("train", train)}
+    run.logs["vit_train_epoch"].log(cfg.pipeline, config, train_metrics)
+    val = vp.run_phase(trainer, val_loader, train=False)
+    metrics = epoch_metrics(cfg, train, val)
     run.log.log(cfg.pipeline, config, metrics)
-    print_table(
-        [summary_row(cfg, metrics)], title=f"One epoch on {run.where} (log: {run.log.path})"
-    )
+    print_table([summary_row(cfg, metrics)], title=f"One epoch on {run.where} (logs: {run.out})")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,11 @@ def test_quick_epoch_writes_one_record(pipeline, tmp_path, data_cache):
     assert 0 <= m["val_accuracy"] <= 1 and m["val_loss"] > 0
     assert m["peak_mem_gib"] == "nan"  # no allocator statistics on the CPU
     assert f"{pipeline}  " in res.stdout.split("One epoch on")[1]
+    (before_validation,) = read_records(tmp_path / "vit_train_epoch.jsonl")
+    assert before_validation["config"] == config
+    assert before_validation["metrics"] == {
+        k: v for k, v in m.items() if k.startswith("train_") or k == "n_train"
+    }
 
 
 def test_quick_epoch_with_augmix_on_the_device(tmp_path, data_cache):
@@ -199,6 +204,31 @@ def test_an_image_that_cannot_be_decoded_ends_the_run_in_one_line_naming_it(
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"train.py: error: {bad}: cannot decode this image (")
     assert not (out / "vit_pipeline.jsonl").exists()
+
+
+def test_an_interrupt_during_validation_keeps_the_training_record(
+    tmp_path, data_cache, monkeypatch
+):
+    """Ctrl-C in the validation pass: exit 130, and the training pass's record, written before
+    validation started, is whole in vit_train_epoch.jsonl; the epoch's record never started."""
+    run_phase = vp.run_phase
+
+    def interrupted_in_validation(trainer, loader, train):
+        if not train:
+            raise KeyboardInterrupt
+        return run_phase(trainer, loader, train=train)
+
+    monkeypatch.setattr(vp, "run_phase", interrupted_in_validation)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--quick", "--max-images", "40", "--data-cache",
+                                      str(data_cache), "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        run_main(train.main)
+    assert e.value.code == 130
+    (record,) = whole_records(tmp_path / "vit_train_epoch.jsonl")
+    m = record["metrics"]
+    assert record["variant"] == "as_given" and (m["n_train"], m["train_batches"]) == (32, 1)
+    assert m["train_loss"] > 0 and 0 <= m["train_accuracy"] <= 1 and m["train_s"] > 0
+    assert not (tmp_path / "vit_pipeline.jsonl").exists()
 
 
 def test_a_folder_without_the_csv_is_a_usage_error(tmp_path):
