@@ -14,7 +14,7 @@ Data: the standard-library corpus (``effdl.data.stdlib_text``) cut into paragrap
 between blank lines, a heavy-tailed length distribution like WikiText's lines), BPE-tokenized
 with a ``<bos>`` in front and truncated to ``--max-length``. One record per stage in
 ``--out/speedup_stages.jsonl``; on the CPU the compile stage is skipped (logged as such) unless
-``--compile-on-cpu``.
+``--compile-on-cpu``. A stage whose loss turns non-finite is refused, naming ``--lr``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_converged,
     require_fits,
     require_positive,
     require_processes,
@@ -271,6 +272,8 @@ def run_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run, trace_dir
     first = cfg.warmup_steps + cfg.timed_steps
     breakdown = profiled_steps(batches, parts, losses, first, cfg.profile_steps, trace)
     curve = losses.values()
+    for step, loss in enumerate(curve):  # a speed study: no stage may diverge
+        require_converged("--lr", f"{st.stage_name(index)} at step {step}", loss)
     median = float(np.median(step_s))
     return {
         "tokens_per_step": cfg.tokens_per_step,

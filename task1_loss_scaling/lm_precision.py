@@ -17,8 +17,8 @@ its gradient computation within it, on one fixed batch, with the benchmark harne
 by side, rotating rounds after a warm-up; median).
 
 A run whose training loss turns non-finite is stopped at the next check (every 25 steps) and
-marked diverged; the script goes on. Note for ``pure_fp16``: AdamW keeps its moments in fp16
-too, and its eps (1e-8) rounds to 0 there; that is part of what "naive fp16" means.
+marked diverged, and the script goes on; in fp32 it is refused (lower ``--lr``). In ``pure_fp16``
+AdamW's moments are fp16 too and its eps (1e-8) rounds to 0 there: part of "naive fp16".
 
 The defaults (:class:`LMPrecisionConfig`) are the GPU experiment: 4 post-norm decoder layers of
 width 1024 without dropout (seeds only change the init), a basic_english vocabulary of 32768,
@@ -52,6 +52,7 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
+    require_converged,
     require_fits,
     require_positive,
     run_main,
@@ -213,7 +214,6 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
     model, optimizer, prec = build(setup, seed, cfg, len(data.vocab), run.device)
     loss_fn, acc_fn = LMCrossEntropyLoss(), LMAccuracy()
     losses, accs, scales, skipped = [], [], [], []
-    diverged_at = None
     config = {"kind": "step", "run_id": run.run_id, "setup": setup, "seed": seed, "role": role,
               **cfg.recorded(data, run.device)}  # fmt: skip
     logged = 0  # steps already on disk: a killed run keeps every checked window
@@ -227,20 +227,19 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
         scale, skip = prec.scale_and_skipped()
         scales.append(scale)
         skipped.append(skip)
-        if (step + 1) % CHECK_EVERY == 0 or step + 1 == cfg.steps:
-            window = torch.stack(losses[-CHECK_EVERY:])
-            finite = bool(window.isfinite().all())  # one sync per window
-            new = zip(torch.stack(losses[logged:]).tolist(), torch.stack(accs[logged:]).tolist(),
-                      scales[logged:], skipped[logged:], strict=True)  # fmt: skip
+        if (step + 1) % CHECK_EVERY == 0 or step + 1 == cfg.steps:  # one sync per window
+            host = torch.stack([torch.stack(losses[logged:]), torch.stack(accs[logged:])]).tolist()
+            new = zip(*host, scales[logged:], skipped[logged:], strict=True)
             for i, (lo, ac, sc, sk) in enumerate(new, start=logged):
+                if setup == "fp32":  # no precision effect: the step size is wrong
+                    require_converged("--lr", f"the fp32 run at step {i}", lo)
                 run.log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
                                         "skipped": sk})  # fmt: skip
             logged = len(losses)
-            if not finite:
-                bad = (~window.isfinite()).nonzero()[0, 0].item()
-                diverged_at = len(losses) - len(window) + bad
+            if not all(map(math.isfinite, host[0])):
                 break
     losses_h, accs_h = torch.stack(losses).tolist(), torch.stack(accs).tolist()
+    diverged_at = next((i for i, lo in enumerate(losses_h) if not math.isfinite(lo)), None)
     val_loss = val_acc = math.nan
     if diverged_at is None:
         val_loss, val_acc = lm_heldout_metrics(model, data.heldout, prec)
@@ -299,8 +298,8 @@ def train_all(cfg: LMPrecisionConfig, run: Run, data: LMData) -> list[dict]:
     jobs = [(s, run.seed, "main") for s in cfg.setups]
     if REFERENCE in cfg.setups:
         jobs += [(REFERENCE, run.seed + i, "noise") for i in range(1, cfg.noise_seeds + 1)]
-    return [train_run(s, seed, role, cfg, run, data)
-            for s, seed, role in tqdm(jobs, desc="runs", unit="run")]  # fmt: skip
+    with tqdm(jobs, desc="runs", unit="run") as bar:  # closed before an error is printed
+        return [train_run(s, seed, role, cfg, run, data) for s, seed, role in bar]
 
 
 def time_setups(cfg: LMPrecisionConfig, run: Run, data: LMData, batch: Batch) -> list[dict]:

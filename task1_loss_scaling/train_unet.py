@@ -4,9 +4,10 @@ Modes: fp32; AMP (torch.autocast fp16) without scaling; AMP + torch GradScaler (
 AMP + StaticGradScaler; AMP + DynamicGradScaler; own Autocast + DynamicGradScaler. The course's
 pipeline otherwise: 256x256, batch 128, Adam lr 1e-4, 5 epochs, BCEWithLogitsLoss, pixel accuracy
 ``((logits > 0.5) == mask).mean()``. Logged per step: loss, accuracy, scale, skipped step,
-fraction of exactly-zero gradient elements, step time. A separate timing phase times the
-training step alone on one fixed batch with the benchmark harness (modes alive side by side,
-interleaved one step per round after a warm-up), in the same process.
+fraction of exactly-zero gradient elements, step time; an fp32 loss that turns non-finite is
+refused (lower ``--lr``), in the low-precision modes it is a result. A separate timing phase
+times the training step alone on one fixed batch with the benchmark harness (modes alive side by
+side, interleaved one step per round after a warm-up), in the same process.
 
 Deviation from the course (documented on purpose): images are decoded and resized once, cached
 as uint8 tensors and kept on the device, instead of a 4-worker DataLoader decoding JPEGs every
@@ -41,6 +42,7 @@ from effdl.cli import (
     decide_auto,
     print_table,
     require_choices,
+    require_converged,
     require_fits,
     require_path,
     require_positive,
@@ -264,22 +266,19 @@ def train_run(mode: str, seed: int, cfg: UNetConfig, run: Run, train, val) -> di
         losses_h, accs_h, zeros_h = (torch.stack(v).tolist() for v in (losses, accs, zeros))
         times = timer.times()
         for i in range(n_batches):
-            run.logs["unet_steps"].log(
-                mode,
-                config,
-                {
-                    "step": step, "epoch": epoch, "loss": losses_h[i], "accuracy": accs_h[i],
-                    "scale": scales[i], "skipped": skipped[i], "zero_grad_fraction": zeros_h[i],
-                    "step_s": times[i],
-                },
-            )  # fmt: skip
+            if mode == "fp32":  # the low-precision modes' non-finite losses are what they measure
+                require_converged("--lr", f"the fp32 run at step {step}", losses_h[i])
+            run.logs["unet_steps"].log(mode, config, {
+                "step": step, "epoch": epoch, "loss": losses_h[i], "accuracy": accs_h[i],
+                "scale": scales[i], "skipped": skipped[i], "zero_grad_fraction": zeros_h[i],
+                "step_s": times[i],
+            })  # fmt: skip
             step += 1
         step_times += times
         last_epoch_acc = accs_h
         val_loss, val_acc = evaluate(model, *val, prec, cfg.batch_size, loss_fn)
         run.logs["unet_epochs"].log(
-            mode,
-            config,
+            mode, config,
             {"epoch": epoch, "train_loss": statistics.fmean(losses_h),
              "train_accuracy": statistics.fmean(accs_h), "val_loss": val_loss,
              "val_accuracy": val_acc, "skipped_steps": sum(skipped),

@@ -5,13 +5,13 @@ exit code 2 and one line naming the flag on stderr, nothing written in --out."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.log_values import non_finite
 from tests.script_loading import ROOT
 
 CASES = [
@@ -80,23 +80,30 @@ def test_a_model_folder_of_another_shape_is_one_line_without_transformers_warnin
 
 
 DIVERGED = [
-    ("task2_batching/train_pipelines.py", "1e12", "the brain run diverged (loss nan): lower --lr"),
-    ("lm_training/train.py", "1e6", "training at step 3 diverged (loss nan): lower --lr"),
-]
+    ("task2_batching/train_pipelines.py", ["--lr", "1e12"], "the brain run diverged (loss nan): lower --lr"),
+    ("lm_training/train.py", ["--lr", "1e6"], "training at step 3 diverged (loss nan): lower --lr"),
+    ("lm_training/speedup_stages.py", ["--lr", "1e12"], "stage0_baseline at step 1 diverged (loss nan): lower --lr"),
+    ("task1_loss_scaling/train_unet.py", ["--lr", "1e12", "--cache", "{tmp}"], "the fp32 run at step 1 diverged (loss nan): lower --lr"),
+    ("task1_loss_scaling/lm_precision.py", ["--lr", "1e12"], "the fp32 run at step 1 diverged (loss nan): lower --lr"),
+    ("task3_vit_profiling/train.py", ["--lr", "1e12", "--data-cache", "{tmp}"], "training at step 1 diverged (loss nan): lower --lr"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("script", "lr", "message"), DIVERGED)
-def test_a_diverged_run_is_refused_naming_the_step_size(tmp_path, script, lr, message):
+@pytest.mark.parametrize(("script", "flags", "message"), DIVERGED)
+def test_a_diverged_run_is_refused_naming_the_step_size(tmp_path, script, flags, message):
+    """The first step whose loss is not finite ends the run: exit 2, one line naming the flag,
+    and the log keeps the steps before it, none with a non-finite loss."""
     out = tmp_path / "out"
+    argv = [a.format(tmp=tmp_path / "cache") for a in flags]
     done = subprocess.run(
-        [sys.executable, str(ROOT / script), "--quick", "--device", "cpu", "--lr", lr,
+        [sys.executable, str(ROOT / script), "--quick", "--device", "cpu", *argv,
          "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]  # after the progress bars
     assert last == f"{Path(script).name}: error: {message}"
-    for log in out.rglob("*.jsonl"):  # what was measured before the divergence: finite losses
+    for log in out.rglob("*.jsonl"):
         for line in log.read_text().splitlines():
-            metrics = json.loads(line)["metrics"]
-            assert all(math.isfinite(metrics[k]) for k in ("loss", "final_loss") if k in metrics)
+            bad = non_finite(json.loads(line)["metrics"])
+            assert not [k for k in bad if "loss" in k], (log.name, bad)

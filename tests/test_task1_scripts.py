@@ -115,6 +115,28 @@ def test_lm_samples_that_cannot_fit_in_memory_are_refused(tmp_path, monkeypatch,
     assert not (tmp_path / "lm_precision.jsonl").exists()  # a log appears with its first record
 
 
+@pytest.mark.parametrize(
+    ("module", "argv", "log"),
+    [
+        (unet, ["--modes", "amp_noscale", "--timing-steps", "0", "--cache", "{tmp}"],
+         "unet_steps.jsonl"),
+        (lm, ["--setups", "pure_fp16", "--timing-reps", "0", "--n-samples", "300",
+              "--d-model", "16"], "lm_precision.jsonl"),
+    ],
+)  # fmt: skip
+def test_low_precision_without_a_scaler_may_diverge(
+    module, argv, log, tmp_path, monkeypatch, capsys
+):
+    """Only fp32 is refused when its loss turns non-finite (the step size is wrong); in low
+    precision without a loss scaler a non-finite loss is the result measured."""
+    argv = [a.format(tmp=tmp_path / "cache") for a in argv] + ["--lr", "1e12"]
+    code, err = run_script(module, argv, tmp_path / "out", monkeypatch, capsys)
+    assert code == 0, err[-3:]
+    records = read_records(tmp_path / "out" / log)
+    losses = [r["metrics"]["loss"] for r in records if "loss" in r["metrics"]]
+    assert math.isfinite(losses[0]) and "nan" in losses[1:]
+
+
 @pytest.fixture(scope="module")
 def carvana(tmp_path_factory) -> Path:
     config = SyntheticCarvanaConfig(n_images=6, width=96, height=64, views_per_car=3, seed=3)
