@@ -23,6 +23,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,7 +35,6 @@ from effdl.cli import (
     base_parser,
     print_table,
     require_choices,
-    require_converged,
     require_path,
     require_positive,
     require_processes,
@@ -327,13 +327,17 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
         if log is not None:
             log.log(f"{variant}_resume", config, {"step": start, "load_s": load_s})
     timer = RegionTimer(d.device)
-    pending = PendingSteps(rates, timer, d)
-    rows: list[dict] = []
+    write = partial(log.log, variant, config) if log is not None else None
+    pending = PendingSteps(rates, timer, d, write, step_size_flags="--lr")
+    rows = pending.rows  # every step written, in order
     trace = Path(args.out) / f"trace_{variant}_rank{d.rank}.json"
 
-    with profiled(
-        cfg.profile, cfg.timing_warmup, cfg.profile_steps, trace, d.device
-    ) as profiler_step:
+    with (
+        profiled(
+            cfg.profile, cfg.timing_warmup, cfg.profile_steps, trace, d.device
+        ) as profiler_step,
+        pending.flushed_on_interrupt(),  # Ctrl-C: the steps run so far are written first
+    ):
         for step in range(start, stop):
             lr = warmup_cosine_lr(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
             for group in opt.param_groups:
@@ -365,11 +369,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
             pending.add(host, loss_sum / n_labels, n_labels, grad_norm.detach().float())
             profiler_step()
             if (step + 1) % cfg.log_every == 0 or step == stop - 1:
-                for row in pending.flush():  # the host's one read of these steps' values
-                    require_converged("--lr", f"training at step {row['step']}", row["loss"])
-                    rows.append(row)
-                    if log is not None:
-                        log.log(variant, config, row)
+                pending.flush()  # the host's one read of these steps' values; refuses a NaN loss
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == stop - 1):
                 val = evaluate(model, held_out, compute, loss_fn, d)
                 if log is not None:

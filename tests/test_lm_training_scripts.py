@@ -16,8 +16,10 @@ import torch
 from effdl.cli import UsageError
 from effdl.lm import data as lm_data
 from effdl.lm.build import select_attention
-from effdl.lm.throughput import CEILINGS, Rates, measured_bf16_ceiling
+from effdl.lm.processes import Dist
+from effdl.lm.throughput import CEILINGS, PendingSteps, Rates, measured_bf16_ceiling
 from effdl.results import read_records
+from tests.interrupting import interrupt_after, whole_records
 from tests.script_loading import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,6 +246,102 @@ def test_a_stopped_and_resumed_run_continues_with_the_uninterrupted_losses(cache
     assert step_losses(tmp_path / "ac" / train.LOG) == whole
     kinds = {r["variant"].rsplit("_", 1)[-1] for r in read_records(tmp_path / "parts" / train.LOG)}
     assert {"checkpoint", "resume"} <= kinds
+
+
+class StepTimes:
+    """A RegionTimer stand-in whose closed regions took the given seconds."""
+
+    def __init__(self, seconds: list[float]) -> None:
+        self.seconds = seconds
+
+    def times(self) -> list[float]:
+        return list(self.seconds)
+
+
+def pending_steps(written: list, seconds: list[float], world: int = 1, write=None):
+    rates = Rates(tokens_per_step=100, flops_per_token=6.0, world=world, peak_tflops=None,
+                  ceiling_tflops=None)  # fmt: skip
+    d = Dist(0, world, torch.device("cpu"))
+    return PendingSteps(rates, StepTimes(seconds), d, write or written.append)
+
+
+def add_step(pending: PendingSteps, step: int, loss: float = 2.0) -> None:
+    pending.add({"step": step}, torch.tensor(loss + step), torch.tensor(10.0), torch.tensor(1.0))
+
+
+def test_a_ctrl_c_writes_every_step_run_since_the_last_read_with_its_own_time():
+    """Steps 0-1 read, 2-3 run, then Ctrl-C after step 4's region closed but before it was
+    added: steps 2 and 3 are written too, each with its own region's time."""
+    written = []
+    pending = pending_steps(written, [0.1, 0.2, 0.3, 0.4, 0.5])
+    with pytest.raises(KeyboardInterrupt), pending.flushed_on_interrupt():
+        for step in range(4):
+            add_step(pending, step)
+            if step == 1:
+                pending.flush()
+        raise KeyboardInterrupt
+    assert [r["step"] for r in written] == [0, 1, 2, 3] and pending.rows == written
+    assert [r["step_s"] for r in written] == [0.1, 0.2, 0.3, 0.4]
+    assert [r["loss"] for r in written] == [2.0, 3.0, 4.0, 5.0]
+    assert written[2]["tokens_per_s"] == pytest.approx(100 / 0.3)
+
+
+def test_a_ctrl_c_while_a_read_is_written_writes_the_rest_of_it():
+    written, interrupted = [], []
+
+    def write(row):
+        if row["step"] == 1 and not interrupted:  # Ctrl-C before this row's line is written
+            interrupted.append(row)
+            raise KeyboardInterrupt
+        written.append(row)
+
+    pending = pending_steps(written, [0.1, 0.2, 0.3], write=write)
+    with pytest.raises(KeyboardInterrupt), pending.flushed_on_interrupt():
+        for step in range(3):
+            add_step(pending, step)
+        pending.flush()
+    assert [r["step"] for r in written] == [0, 1, 2]
+
+
+def test_with_several_ranks_a_ctrl_c_writes_what_was_read_and_reads_nothing():
+    """Reading the steps run since the last read needs a collective; the other ranks may be
+    anywhere in a step, so an interrupted rank reads nothing (there is no process group here:
+    a collective would fail)."""
+    written = []
+    pending = pending_steps(written, [0.1, 0.2], world=2)
+    with pytest.raises(KeyboardInterrupt), pending.flushed_on_interrupt():
+        add_step(pending, 0)
+        raise KeyboardInterrupt
+    assert written == []
+
+
+def test_a_step_whose_loss_is_not_finite_is_refused_after_the_steps_before_it():
+    written = []
+    pending = pending_steps(written, [0.1, 0.2, 0.3])
+    for step, loss in enumerate([2.0, 2.0, math.inf]):
+        add_step(pending, step, loss)
+    with pytest.raises(UsageError, match=r"^training at step 2 diverged \(loss inf\): lower --lr$"):
+        pending.flush()
+    assert [r["step"] for r in written] == [0, 1]
+
+
+def test_ctrl_c_mid_run_keeps_every_step_run(cache, tmp_path):
+    """A real SIGINT once two held-out losses are logged (steps 3 and 7 done), long before the
+    next read of the steps' values (--log-every past the end): exit 130, and the log holds
+    every step run, whole and in order."""
+    log = tmp_path / train.LOG
+    args = quick_args(
+        cache, tmp_path, "--steps", "5000", "--log-every", "5000", "--eval-every", "4"
+    )
+    code, err = interrupt_after(ROOT / "lm_training" / "train.py", args, log, records=3)
+    assert code == 130 and err.strip().splitlines()[-1] == "train.py: interrupted", err[-2000:]
+    records = whole_records(log)
+    steps = [
+        r["metrics"]["step"] for r in records if r["variant"] == "tiny-s128-b4x1-fp32-iterable"
+    ]
+    evaluated = [r["metrics"]["step"] for r in records if r["variant"].endswith("_eval")]
+    assert len(steps) >= 8 and steps == list(range(len(steps)))
+    assert evaluated[:2] == [3, 7] and evaluated[-1] < len(steps)
 
 
 def torchrun_losses(cache: Path, out: Path, nproc: int, *extra: str) -> list[float]:

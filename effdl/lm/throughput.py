@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from effdl.cli import require_converged
 from effdl.lm.processes import Dist, all_reduce_sum
 from effdl.profiling.timing import RegionTimer
 from effdl.results import read_records
@@ -73,11 +76,26 @@ def summarize(rows: list[dict], skip: int) -> dict:
 class PendingSteps:
     """Training steps whose device values (loss, label tokens, gradient norm) wait for one host
     read: :meth:`flush` copies all of them at once, sums loss and label tokens over the ranks,
-    and adds each step's time (the ``timer``'s last regions, one per step) and throughput."""
+    adds each step's time (the ``timer``'s region of that step: one region per step, from the
+    first) and throughput, refuses a step whose loss is not finite (a UsageError naming
+    ``step_size_flags``), and hands each row, in order, to ``write`` and to :attr:`rows`.
 
-    def __init__(self, rates: Rates, timer: RegionTimer, d: Dist) -> None:
+    Inside :meth:`flushed_on_interrupt` a Ctrl-C first writes every step already run."""
+
+    def __init__(
+        self,
+        rates: Rates,
+        timer: RegionTimer,
+        d: Dist,
+        write: Callable[[dict], object] | None = None,
+        step_size_flags: str = "--lr",
+    ) -> None:
         self.rates, self.timer, self.d = rates, timer, d
-        self._pending: list[dict] = []
+        self.write, self.step_size_flags = write, step_size_flags
+        self.rows: list[dict] = []  # every step written so far
+        self._pending: list[tuple] = []
+        self._unwritten: list[dict] = []  # read, not yet written
+        self._read = 0  # steps read so far: the index of the next one's timer region
 
     def add(
         self,
@@ -90,18 +108,41 @@ class PendingSteps:
         share of the step's mean loss, ``label_tokens``: of all ranks)."""
         self._pending.append((host_values, torch.stack([loss, label_tokens]), grad_norm))
 
-    def flush(self) -> list[dict]:
-        """The rows of the pending steps, in order (a collective when several ranks run)."""
-        if not self._pending:
-            return []
-        hosts, local, norms = zip(*self._pending, strict=True)
-        norms = torch.stack(norms).tolist()
-        losses = all_reduce_sum(torch.stack(local), self.d).tolist()
-        times = self.timer.times()[-len(hosts) :]
-        rows = [
-            {**h, "loss": loss, "label_tokens": int(labels), "grad_norm": norm,
-             **self.rates.metrics(step_s)}
-            for h, (loss, labels), norm, step_s in zip(hosts, losses, norms, times, strict=True)
-        ]  # fmt: skip
-        self._pending.clear()
-        return rows
+    def flush(self, read: bool = True) -> list[dict]:
+        """Read the pending steps (unless ``read`` is false: a collective when several ranks
+        run) and write every step read and not yet written; returns the rows written."""
+        if read and self._pending:
+            hosts, local, norms = zip(*self._pending, strict=True)
+            norms = torch.stack(norms).tolist()
+            losses = all_reduce_sum(torch.stack(local), self.d).tolist()
+            times = self.timer.times()[self._read : self._read + len(hosts)]
+            rows = [
+                {**h, "loss": loss, "label_tokens": int(labels), "grad_norm": norm,
+                 **self.rates.metrics(step_s)}
+                for h, (loss, labels), norm, step_s in zip(hosts, losses, norms, times, strict=True)
+            ]  # fmt: skip
+            # one assignment: a step is pending or read, never both or neither
+            self._pending, self._unwritten, self._read = (
+                [], self._unwritten + rows, self._read + len(rows)
+            )  # fmt: skip
+        written = []
+        while self._unwritten:
+            row = self._unwritten[0]
+            require_converged(self.step_size_flags, f"training at step {row['step']}", row["loss"])
+            if self.write is not None:
+                self.write(row)
+            del self._unwritten[0]  # once written: an interrupt may repeat a record, not lose it
+            self.rows.append(row)
+            written.append(row)
+        return written
+
+    @contextmanager
+    def flushed_on_interrupt(self) -> Iterator[None]:
+        """Ctrl-C (KeyboardInterrupt) in the block writes the steps already run, then goes on.
+        With several ranks only the steps already read are: reading the others needs a
+        collective, and a Ctrl-C stops the ranks at different points of a step."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.flush(read=self.d.world == 1)
+            raise
