@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import math
 import os
 import random
 import signal
@@ -28,6 +27,7 @@ import pytest
 
 import effdl.cli as cli
 from effdl.results import RunLog
+from tests.log_values import non_finite_in_last_record
 from tests.script_loading import ROOT, load_script
 
 TASK_FOLDERS = ("task1_loss_scaling", "task2_batching", "task3_vit_profiling",
@@ -188,7 +188,7 @@ def run_case(module, case: Case, argv: list[str], monkeypatch, capsys) -> Outcom
 
     def first_record(self, variant, config, metrics):
         record(self, variant, config, metrics)
-        bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+        bad = non_finite_in_last_record(self.path)
         if bad:
             raise AssertionError(f"accepted, then logged non-finite {bad}")
         raise Accepted
@@ -342,3 +342,25 @@ def test_config_flags_refuse_nan_and_inf_naming_the_flag():
         with pytest.raises(cli.UsageError, match=message):
             flags.resolve(p.parse_args(argv))
     assert [b.flag for b in flags.bound] == ["--lr", "--sizes"]
+
+
+def test_the_first_record_check_finds_non_finite_numbers_however_written(tmp_path):
+    """JSON's NaN and Infinity, the strings a run log writes for them, in any case and nested in
+    lists and mappings: each is found by its path; names and finite numbers as text are not."""
+    log = tmp_path / "synthetic.jsonl"
+    lines = {
+        '{"loss": NaN, "step": 1}': {"loss"},
+        '{"loss": Infinity, "grad_norm": -Infinity}': {"loss", "grad_norm"},
+        '{"loss": "nan", "val_loss": "NaN", "scale": "inf", "norm": "-inf"}': {
+            "loss", "val_loss", "scale", "norm"
+        },
+        '{"curve": [1.5, "nan", 2.0], "split": {"forward": "Infinity", "ok": 0.5}}': {
+            "curve[1]", "split.forward"
+        },
+        '{"loss": 1.25, "name": "banana", "what": "information", "text": "1e3", "done": true,'
+        ' "peak": null}': set(),
+    }  # fmt: skip
+    record = '{{"task": "t", "variant": "v", "config": {{}}, "metrics": {}}}\n'.format
+    for line, expected in lines.items():
+        log.write_text(record('{"loss": "nan"}') + record(line))  # only the last one is read
+        assert set(non_finite_in_last_record(log)) == expected, line
