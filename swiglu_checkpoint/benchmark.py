@@ -18,10 +18,10 @@ the reference (:func:`effdl.profiling.timing.median_ratio_ci`). Variants:
                 each size, the data behind effdl.ops.swiglu.TRITON_MIN_ELEMENTS
 
 The stack is residual by default (x + mlp(x) per layer, keeping activations at unit scale across
-random layers); --no-residual stacks the layers bare, as in the assignment's test model.
-Achieved TFLOP/s is set against a dense GEMM ceiling measured in the same run; the floor of each
-variant is its GEMM FLOPs at that ceiling plus its elementwise bytes at the measured copy
-bandwidth.
+random layers); --no-residual stacks the layers bare, as in the assignment's test model. Achieved
+TFLOP/s is set against a dense GEMM ceiling measured in the same run; a variant's floor is its GEMM
+FLOPs at that ceiling plus its elementwise bytes at the measured copy bandwidth. Its GEMMs per
+layer and step are counted before anything is timed (:func:`gemm_counts`) and logged with it.
 
     python swiglu_checkpoint/benchmark.py --quick --device cpu     # smoke run on a CPU
     python swiglu_checkpoint/benchmark.py --device cuda            # full grid
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import pandas as pd
 import torch
 from tqdm import tqdm
 
@@ -49,13 +50,14 @@ from effdl.cli import (
 from effdl.ops.swiglu_variants import (
     FORCED_BACKEND,
     GEMMS,
+    LEVEL_VARIANTS,
     VARIANTS,
     Shape,
     build_stack,
     cost_of,
     with_costs,
 )
-from effdl.profiling.flops import measure_copy_bandwidth, measure_matmul_tflops
+from effdl.profiling.flops import MatmulCounter, measure_copy_bandwidth, measure_matmul_tflops
 from effdl.profiling.harness import HarnessConfig, Regions, Variant, settle, time_variants
 from effdl.profiling.timing import median_ratio_ci
 from effdl.results import RunLog
@@ -74,6 +76,9 @@ GPU_GRID = [
     Shape(8, 1024, 4096, 16384, 5),
 ]
 QUICK_GRID = [Shape(2, 16, 32, 96, 2), Shape(2, 32, 64, 192, 3)]
+COUNT_SHAPE = Shape(2, 8, 16, 48, 2)  # the small stack whose GEMMs are counted
+PRINTED = ["variant", "forward_time, s", "backward_time, s", "peak_memory, GB", "GEMMs/layer",
+           "TFLOP/s", "floor/time", "elementwise"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -148,30 +153,13 @@ def parse_args():
     flags.add("dtypes", nargs="+", help=f"of {list(DTYPES)}")
     flags.add("variants", nargs="+", help=f"subset of {VARIANTS}")
     flags.add("warmup", type=int, help="untimed steps before the memory steps, at least")
-    flags.add(
-        "warmup_time",
-        type=float,
-        help="seconds of untimed, synchronized steps per variant before its memory steps, at "
-        "least: first calls load kernels, pick GEMM algorithms and compile",
-    )
+    help_warmup = "seconds of untimed synchronized steps per variant, at least (kernels load)"
+    flags.add("warmup_time", type=float, help=help_warmup)
     flags.add("reps", type=int, help="timed steps, at least")
-    flags.add(
-        "rounds",
-        type=int,
-        help="variants take turns this many times per config, each round a chunk of its "
-        "timed steps",
-    )
-    flags.add(
-        "min_time",
-        type=float,
-        help="seconds of timed steps per variant, at its synchronized step time",
-    )
-    flags.add(
-        "settle",
-        type=float,
-        help="seconds of untimed reference steps at the first config before anything is timed "
-        "(auto: 20 on CUDA, 0 on a CPU)",
-    )
+    flags.add("rounds", type=int, help="turns the variants take per config, a chunk of steps each")
+    flags.add("min_time", type=float, help="seconds of timed steps per variant, at least")
+    help_settle = "seconds of untimed reference steps before anything is timed (auto: 20 on CUDA)"
+    flags.add("settle", type=float, help=help_settle)
     flags.add("residual", flag="--no-residual", action="store_false", help="bare stack: x = mlp(x)")
     flags.add("tf32", action="store_true", help="allow TF32 for fp32 matmuls")
     args = p.parse_args()
@@ -260,6 +248,30 @@ def measure_ceiling(
     return ceiling
 
 
+def counted_gemms(variant: str, dtype: torch.dtype, device: torch.device, residual: bool) -> float:
+    """GEMMs per layer and training step that ``variant``'s stack executes: the aten matmuls of
+    one step of a :data:`COUNT_SHAPE` stack built like the benchmark's, counted below autograd
+    (recomputed ones included, a GEMM that checkpoint's early stop aborts before it runs not)."""
+    model = build_stack(variant, COUNT_SHAPE, dtype, device, residual)
+    size = (COUNT_SHAPE.batch_size, COUNT_SHAPE.seq_len, COUNT_SHAPE.hidden_dim)
+    x = torch.randn(size, device=device, dtype=dtype, requires_grad=True)
+    with MatmulCounter() as counter:
+        model(x).backward(torch.randn_like(x))
+    return counter.total / COUNT_SHAPE.num_layers
+
+
+def gemm_counts(
+    variants: list[str], dtype: torch.dtype, device: torch.device, residual: bool
+) -> dict[str, float]:
+    """:func:`counted_gemms` of each variant; a RuntimeError where one differs from ``GEMMS``,
+    the table the logged FLOPs, TFLOP/s and floors are computed from."""
+    counts = {v: counted_gemms(v, dtype, device, residual) for v in variants}
+    wrong = {v: (n, GEMMS[v]) for v, n in counts.items() if n != GEMMS[v]}
+    if wrong:
+        raise RuntimeError(f"GEMMs per layer and step (counted, in GEMMS): {wrong}")
+    return counts
+
+
 def benchmark_shape(
     shape: Shape,
     dtype_name: str,
@@ -269,8 +281,10 @@ def benchmark_shape(
     quick: bool,
     ceiling: float,
     bandwidth: float,
+    gemms: dict[str, float],
 ) -> dict[str, dict]:
-    """Time every variant at ``shape`` and ``dtype_name``, log one record each; their metrics."""
+    """Time every variant at ``shape`` and ``dtype_name``, log one record each; their metrics.
+    ``gemms``: each variant's counted GEMMs per layer and step (:func:`gemm_counts`)."""
     device, dtype = run.device, DTYPES[dtype_name]
     stacks = [stack_variant(v, shape, dtype, device, cfg.residual, run.seed) for v in variants]
     results = time_variants(stacks, cfg.harness(), device)
@@ -288,56 +302,34 @@ def benchmark_shape(
     res = {}
     for variant in variants:
         cost = cost_of(variant, shape, dtype, device, ceiling, bandwidth)
-        res[variant] = with_costs(results[variant].metrics(), shape, cost, ceiling, bandwidth)
+        metrics = with_costs(results[variant].metrics(), shape, cost, ceiling, bandwidth)
+        res[variant] = {**metrics, "gemms_per_layer": gemms[variant]}
         run.log.log(variant, config, res[variant])
     return res
 
 
-def print_shape_table(res: dict[str, dict], shape: Shape, dtype_name: str, ceiling: float) -> None:
+def experiment_rows(shape: Shape, dtype_name: str, res: dict[str, dict]) -> list[dict]:
+    """One row per variant in the assignment's units: medians in seconds, peak memory in GB of
+    1024**3 bytes (as ``torch.cuda.max_memory_allocated() / 1024**3``; NaN off CUDA)."""
     nan = float("nan")
-    rows = [
+    return [
         {
+            **asdict(shape),
+            "dtype": dtype_name,
             "variant": v,
-            "fwd ms": m.get("fwd_s_median", nan) * 1e3,
-            "bwd ms": m.get("bwd_s_median", nan) * 1e3,
-            "peak GiB": m.get("peak_gib", nan),
+            "checkpoint_level": int(LEVEL_VARIANTS[v]) if v in LEVEL_VARIANTS else None,
+            "forward_time, s": m.get("fwd_s_median", nan),
+            "backward_time, s": m.get("bwd_s_median", nan),
+            "step_time, s": m.get("step_s_median", nan),
+            "peak_memory, GB": m.get("peak_gib", nan),
+            "GEMMs/layer": m["gemms_per_layer"],
             "TFLOP/s": m.get("tflops_executed", nan),
+            "floor, s": m.get("floor_s", nan),  # GEMMs at the ceiling + elementwise bytes
             "floor/time": m.get("floor_frac", nan),
             "elementwise": m["elementwise"] + (" OOM" if m.get("oom") else ""),
         }
         for v, m in res.items()
     ]
-    print_table(rows, title=f"{shape.label} {dtype_name} (ceiling {ceiling:.1f} TFLOP/s)")
-
-
-def print_cost_model(
-    shape: Shape,
-    dtype_name: str,
-    variants: list[str],
-    device: torch.device,
-    ceiling: float,
-    bandwidth: float,
-) -> None:
-    costs = {v: cost_of(v, shape, DTYPES[dtype_name], device, ceiling, bandwidth) for v in variants}
-    level0 = costs.get("level0")
-    rows = [
-        {
-            "variant": v,
-            "GEMMs/layer": GEMMS[v],
-            "GEMM TFLOP": c.gemm_flops / 1e12,
-            "elementwise GB": c.elementwise_bytes / 1e9,
-            "floor ms": c.floor_s * 1e3,
-            "floor / level0 floor": ratio(c.floor_s, level0.floor_s if level0 else None),
-        }
-        for v, c in costs.items()
-    ]
-    print_table(
-        rows,
-        title=(
-            f"Cost model, {shape.label} {dtype_name}: GEMM FLOPs at the measured ceiling "
-            f"+ elementwise bytes at {bandwidth:.0f} GB/s"
-        ),
-    )
 
 
 def runnable_variants(cfg: BenchmarkConfig, device: torch.device, given: bool) -> list[str]:
@@ -354,15 +346,13 @@ def runnable_variants(cfg: BenchmarkConfig, device: torch.device, given: bool) -
     return [v for v in cfg.variants if v not in FORCED_BACKEND]
 
 
-def main() -> None:
-    args, cfg = parse_args()
-    run = start_run(args, task="swiglu", logs="benchmark.jsonl")
+def run_experiments(
+    cfg: BenchmarkConfig, run: Run, variants: list[str], quick: bool = False
+) -> pd.DataFrame:
+    """Every config of ``cfg`` at every dtype: each variant timed, one record per variant and a
+    summary per config logged to ``run.log``, the tables printed; the rows of
+    :func:`experiment_rows` of the whole grid, in the order run."""
     device = run.device
-    variants = runnable_variants(cfg, device, given=hasattr(args, "variants"))
-    if device.type == "cpu" and not args.quick:
-        print("note: a CPU run times the PyTorch paths only and has no memory statistics")
-    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-
     bandwidth, _ = measure_copy_bandwidth(cfg.copy_bytes, device)
     run.log.log("copy_bandwidth", {"device": str(device)}, {"gb_per_s": bandwidth})
     settle_s = settle_seconds(cfg, device)
@@ -374,23 +364,34 @@ def main() -> None:
         )
         settle(reference, settle_s, device)
 
-    summary, ceilings = [], {}
+    rows, summary = [], []
     for dtype_name in cfg.dtypes:
-        ceilings[dtype_name] = ceiling = measure_ceiling(dtype_name, cfg, device, run.log)
+        gemms = gemm_counts(variants, DTYPES[dtype_name], device, cfg.residual)
+        ceiling = measure_ceiling(dtype_name, cfg, device, run.log)
         for shape in tqdm(cfg.shapes, desc=f"{dtype_name} configs", unit="config"):
             res = benchmark_shape(
-                shape, dtype_name, variants, cfg, run, args.quick, ceiling, bandwidth
+                shape, dtype_name, variants, cfg, run, quick, ceiling, bandwidth, gemms
             )
             row = summary_row(shape, dtype_name, res, ceiling)
             run.log.log("summary", {**asdict(shape), "dtype": dtype_name}, row)
             summary.append(row)
-            print_shape_table(res, shape, dtype_name, ceiling)
+            new_rows = experiment_rows(shape, dtype_name, res)
+            rows += new_rows
+            title = f"{shape.label} {dtype_name} (ceiling {ceiling:.1f} TFLOP/s)"
+            print_table([{k: r[k] for k in PRINTED} for r in new_rows], title=title)
 
-    first_dtype = cfg.dtypes[0]
-    print_cost_model(
-        cfg.shapes[-1], first_dtype, variants, device, ceilings[first_dtype], bandwidth
-    )
     print_table(summary, title=f"Ratios within this run (log: {run.log.path})")
+    return pd.DataFrame(rows)
+
+
+def main() -> None:
+    args, cfg = parse_args()
+    run = start_run(args, task="swiglu", logs="benchmark.jsonl")
+    variants = runnable_variants(cfg, run.device, given=hasattr(args, "variants"))
+    if run.device.type == "cpu" and not args.quick:
+        print("note: a CPU run times the PyTorch paths only and has no memory statistics")
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    run_experiments(cfg, run, variants, args.quick)
 
 
 if __name__ == "__main__":

@@ -41,3 +41,49 @@ def test_cpu_defaults_leave_the_cuda_backends_out():
     cfg = benchmark.QUICK
     variants = benchmark.runnable_variants(cfg, benchmark.torch.device("cpu"), given=False)
     assert variants and not set(variants) & set(benchmark.FORCED_BACKEND)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize(
+    ("variant", "gemms"),
+    [("reference", 9), ("checkpoint", 11), ("level0", 9), ("level1", 11), ("level2", 9)],
+)
+def test_counted_gemms_per_layer_and_step(variant, gemms, residual):
+    # 3 forward + 6 backward; checkpoint and level 1 re-run xW and xV, checkpoint's early stop
+    # leaves gU out
+    cpu = benchmark.torch.device("cpu")
+    for dtype in (benchmark.torch.float64, benchmark.torch.float32):
+        assert benchmark.counted_gemms(variant, dtype, cpu, residual) == gemms
+    assert benchmark.GEMMS[variant] == gemms
+
+
+def test_gemm_counts_refuse_a_table_that_differs_from_the_count(monkeypatch):
+    monkeypatch.setitem(benchmark.GEMMS, "checkpoint", 12)
+    cpu = benchmark.torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"'checkpoint': \(11\.0, 12\)"):
+        benchmark.gemm_counts(["reference", "checkpoint"], benchmark.torch.float64, cpu, True)
+
+
+def test_run_experiments_logs_counted_gemms_and_returns_the_assignment_units(tmp_path):
+    import argparse
+    import dataclasses
+
+    args = argparse.Namespace(device="cpu", seed=0, out=tmp_path, quick=True)
+    run = benchmark.start_run(args, task="swiglu", logs="benchmark.jsonl")
+    shape = benchmark.Shape(2, 8, 16, 48, 2)
+    variants = ["reference", "checkpoint", "level0", "level1"]
+    cfg = dataclasses.replace(benchmark.QUICK, shapes=[shape], dtypes=["fp32"], variants=variants)
+    table = benchmark.run_experiments(cfg, run, variants, quick=True)
+
+    assert list(table["variant"]) == variants
+    levels = table["checkpoint_level"]
+    assert levels.isna().tolist() == [True, True, False, False] and levels[2:].tolist() == [0, 1]
+    for column in ("forward_time, s", "backward_time, s", "step_time, s", "peak_memory, GB"):
+        assert column in table
+    assert (table["step_time, s"] > 0).all()
+    unit = 2 * shape.tokens * shape.hidden_dim * shape.intermediate_size * shape.num_layers
+    records = {r["variant"]: r for r in read_records(tmp_path / "benchmark.jsonl")}
+    for variant, gemms in [("reference", 9), ("checkpoint", 11), ("level0", 9), ("level1", 11)]:
+        metrics = records[variant]["metrics"]
+        assert metrics["gemms_per_layer"] == gemms
+        assert metrics["gemm_flops"] == gemms * unit
