@@ -6,7 +6,7 @@ moments on the host updated on the GPU, a bf16 gradient accumulator), trained by
 offloaded-Adam steps as train.py (effdl.gpt2_offload.run), from the weights of ``--model-path``.
 
     python memory_efficient_gpt2/finetune_code.py --quick                   # CPU smoke run, tiny GPT-2
-    python memory_efficient_gpt2/pretrain.py --device cuda --corpus docs --size xl --skip-tokens 16384 --steps 40 --save /tmp/xl-docs
+    python memory_efficient_gpt2/pretrain.py --device cuda --corpus docs --size xl --batch 16 --skip-tokens 16384 --steps 40 --warmup-steps 4 --save /tmp/xl-docs
     python memory_efficient_gpt2/finetune_code.py --device cuda --model-path /tmp/xl-docs
 
 Data (effdl.data.stdlib_code): the running Python's stdlib ``.py`` files, split by a hash of

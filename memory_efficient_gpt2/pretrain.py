@@ -7,7 +7,7 @@ memorize faster. A few minutes of pretraining give one that does.
     python memory_efficient_gpt2/pretrain.py --quick                      # CPU smoke run, tiny GPT-2
     python memory_efficient_gpt2/pretrain.py --device cuda --minutes 4.5 --save /tmp/ckpt
     python memory_efficient_gpt2/train.py --device cuda --model-path /tmp/ckpt --fixed-batch --steps 30 --reference adamw
-    python memory_efficient_gpt2/pretrain.py --device cuda --corpus docs --size xl --skip-tokens 16384 --steps 40 --save /tmp/xl-docs
+    python memory_efficient_gpt2/pretrain.py --device cuda --corpus docs --size xl --batch 16 --skip-tokens 16384 --steps 40 --warmup-steps 4 --save /tmp/xl-docs
 
 Data (``--corpus stdlib``, the default): the token stream train.py reads by default
 (effdl.data.stdlib_text.stdlib_training_text: the stdlib corpus's training half, documentation
