@@ -162,3 +162,23 @@ def test_bad_flags_are_refused_in_one_line(argv, message, cache, tmp_path, monke
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("finetune_code.py: error: ") and message in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.gpu
+def test_level_3_fine_tune_runs_on_cuda_within_both_caps(cache, tmp_path, monkeypatch, capsys):
+    argv = ["finetune_code.py", "--device", "cuda", "--size", "tiny", "--steps", "3", "--batch",
+            "8", "--micro-batch", "4", "--seq", "128", "--max-new-tokens", "8",
+            "--heldout-windows", "16", "--memory-cap-gib", "2", "--bpe-vocab", "512",
+            "--corpus-bytes", str(1 << 20), "--cache", str(cache), "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        run_main(finetune.main)
+    assert e.value.code == 0, capsys.readouterr().err
+    records = read_records(tmp_path / finetune.LOG)
+    summary = records[-1]
+    assert summary["variant"] == "finetune_summary"
+    assert summary["config"]["level"] == 3 and summary["config"]["update_on"] == "device"
+    assert 0 < summary["metrics"]["peak_gib_max"] <= 2
+    assert 0 < summary["metrics"]["host_rss_peak_gib"] <= 16
+    assert math.isfinite(summary["metrics"]["heldout_loss_after"])
+    assert Counter(r["variant"] for r in records)["after"] == 20
