@@ -100,6 +100,11 @@ class StudyConfig:
             + self.max_length * self.d_model,
             "a step's activations and the weights (fp32)",
         )
+        if self.tokens_per_step < self.max_length:
+            raise UsageError(
+                f"--tokens-per-step {self.tokens_per_step} is below --max-length "
+                f"{self.max_length}: a step must hold the longest document"
+            )
         if self.timed_steps < 1:
             raise UsageError(
                 f"--steps {self.steps} leaves no timed step after --warmup-steps "

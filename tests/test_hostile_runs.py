@@ -20,6 +20,11 @@ CASES = [
     ("memory_efficient_gpt2/probes/optimizer_equivalence.py", ["--heads", "3"], "--d-model 32 must divide by --heads 3"),
     ("swiglu_checkpoint/gpu_ceilings.py", ["--copy-gib", "1e12"], "--copy-gib: the copy's source and target needs"),
     ("lm_training/speedup_stages.py", ["--trace-dir", "{file}"], "--trace-dir: {file} is a file"),
+    (
+        "lm_training/speedup_stages.py",
+        ["--tokens-per-step", "1"],
+        "--tokens-per-step 1 is below --max-length 32: a step must hold the longest document",
+    ),
     ("lm_training/train.py", ["--resume", "{empty}"], "--resume: {empty} is not a complete checkpoint"),
     ("memory_efficient_gpt2/tensor_parallel.py", ["--world-size", "3"], "--world-size 3 does not divide --hidden"),
     ("lm_training/train.py", ["--sequence-length", "100000"], "--batch-size 4 --sequence-length 100000: "),
