@@ -273,7 +273,7 @@ def test_gpu_commands_prints_the_readme_lines():
 
 
 def test_only_takes_several_substrings():
-    names = [c.name for c in check.selected(["gpt2-xl", "vit-train"])]
+    names = [c.name for c in check.selected(["gpt2-xl-base", "vit-train"])]
     assert names == ["vit-train", "gpt2-xl-baseline"]
     assert len(check.selected(None)) == len(COMMANDS)
 

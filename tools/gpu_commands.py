@@ -227,6 +227,35 @@ COMMANDS: tuple[GpuCommand, ...] = (
         after="gpt2-pretrain",
     ),
     GpuCommand(
+        "gpt2-xl-level2",
+        "python3 memory_efficient_gpt2/train.py --device cuda --level 2 --steps 8 --baseline --out runs/gpt2",
+        "python3 memory_efficient_gpt2/train.py --device cuda --level 2 --steps 3 --baseline"
+        f" --baseline-micro-batches 2 4 {GPT2} --out {{out}}",
+        60,
+        Headline("speed_ratio", "ratio_to_baseline", "x HF fwd+bwd"),
+        comment="then the plain forward+backward of HF's GPT-2 and ours, same process",
+    ),
+    GpuCommand(
+        "gpt2-pretrain-docs",
+        "python3 memory_efficient_gpt2/pretrain.py --device cuda --corpus docs --size xl --batch 16 --skip-tokens 16384 --steps 40 --warmup-steps 4 --save runs/gpt2/xl-docs --out runs/gpt2",
+        "python3 memory_efficient_gpt2/pretrain.py --device cuda --corpus docs --minutes 0.1 --save {run}/gpt2-docs"
+        " --size tiny --steps 10 --batch 8 --micro-batch 4 --seq 128 --skip-tokens 1024"
+        f" {STDLIB} --out {{out}}",
+        45,
+        Headline("pretrain_summary", "heldout_loss", "nats"),
+        comment="GPT-2-XL on the stdlib's documentation alone: no code file seen",
+    ),
+    GpuCommand(
+        "gpt2-finetune-code",
+        "python3 memory_efficient_gpt2/finetune_code.py --device cuda --model-path runs/gpt2/xl-docs --out runs/gpt2",
+        "python3 memory_efficient_gpt2/finetune_code.py --device cuda --model-path {run}/gpt2-docs"
+        f" --steps 3 --max-new-tokens 8 --heldout-windows 16 {GPT2} --out {{out}}",
+        90,
+        Headline("finetune_summary", "heldout_loss_after", "nats"),
+        comment="level 3 on the training code files; held-out loss and generations before/after",
+        after="gpt2-pretrain-docs",
+    ),
+    GpuCommand(
         "gpt2-torchao",
         "python3 memory_efficient_gpt2/peer_torchao.py --device cuda --steps 8 --out runs/gpt2",
         f"python3 memory_efficient_gpt2/peer_torchao.py --device cuda --steps 3 {GPT2} --out {{out}}",
