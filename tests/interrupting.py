@@ -15,6 +15,13 @@ from pathlib import Path
 from tests.script_loading import ROOT
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C's default disposition, so that the script's Python
+    installs its KeyboardInterrupt handler even where the test runner was started with SIGINT
+    ignored (a background job of a non-interactive shell is)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_after(
     script: Path,
     args: list[str],
@@ -37,6 +44,7 @@ def interrupt_after(
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,
+            preexec_fn=_default_sigint,
         )
     try:
         deadline = time.monotonic() + timeout
