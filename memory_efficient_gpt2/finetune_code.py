@@ -207,22 +207,22 @@ def main() -> None:
     run = start_run(args, task=TASK, logs=LOG)
     names = {"data": data.corpus.name, "tokenizer": data.codec.name, "pretrained_on": pretrained_on}
     run.log.log("corpus", {**names, "heldout_percent": cfg.heldout_percent}, data.summary())
-    session = start_offload(cfg, run.device, run.log, args.seed, names)
+    offload = start_offload(cfg, run.device, run.log, args.seed, names)
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, args.seed)
-    before = evaluate(session, data, cfg, sampling, run.device, run.log, "before")
+    before = evaluate(offload, data, cfg, sampling, run.device, run.log, "before")
     draws = step_windows(data.windows, cfg.batch, args.seed)
     batches = [next(draws) for _ in range(cfg.steps)]
-    rows = train_offload(session, cfg, batches, run.device, run.log, "finetune")
-    after = evaluate(session, data, cfg, sampling, run.device, run.log, "after")
-    session.opt.close()
+    rows = train_offload(offload, cfg, batches, run.device, run.log, "finetune")
+    after = evaluate(offload, data, cfg, sampling, run.device, run.log, "after")
+    offload.opt.close()
     summary = {
-        **summarize(rows, False, session.budget),
+        **summarize(rows, False, offload.budget),
         "heldout_loss_before": before["heldout_loss"],
         "heldout_loss_after": after["heldout_loss"],
         "heldout_loss_change": after["heldout_loss"] - before["heldout_loss"],
         "passes": cfg.steps * cfg.batch / len(data.windows),
     }
-    run.log.log("finetune_summary", session.config, summary)
+    run.log.log("finetune_summary", offload.config, summary)
     print_comparison(data, before, after, summary)
 
 
