@@ -76,6 +76,16 @@ def epoch_metrics(cfg: vp.PipelineConfig, train: vp.PhaseResult, val: vp.PhaseRe
     }
 
 
+def log_training(run: Run, variant: str, config: dict, train: vp.PhaseResult) -> None:
+    """The training pass's record in vit_train_epoch.jsonl (none for a pass with no batch); a
+    loss that is not finite ends the run naming --lr, before the record."""
+    for step, loss in enumerate(train.losses):
+        require_converged("--lr", f"training at step {step}", loss)
+    if train.sizes:
+        metrics = {"n_train": train.n_images, **phase_metrics("train", train)}
+        run.logs["vit_train_epoch"].log(variant, config, metrics)
+
+
 def summary_row(cfg: vp.PipelineConfig, m: dict) -> dict:
     return {
         "pipeline": cfg.pipeline,
@@ -101,11 +111,12 @@ def main() -> None:
           f"{len(val_loader.dataset)} val images, {trainer.n_params:,} parameters, on {run.where}")  # fmt: skip
     config = {**cfg.recorded(), "source": data.source, "n_params": trainer.n_params,
               "device": str(run.device), "seed": run.seed, "run_id": run.run_id}  # fmt: skip
-    train = vp.run_phase(trainer, train_loader, train=True)
-    for step, loss in enumerate(train.losses):
-        require_converged("--lr", f"training at step {step}", loss)
-    train_metrics = {"n_train": train.n_images, **phase_metrics("train", train)}
-    run.logs["vit_train_epoch"].log(cfg.pipeline, config, train_metrics)
+    try:
+        train = vp.run_phase(trainer, train_loader, train=True)
+    except vp.PhaseInterrupted as stop:  # Ctrl-C: the batches trained so far are logged first
+        log_training(run, cfg.pipeline, {**config, "interrupted": True}, stop.partial)
+        raise KeyboardInterrupt from None
+    log_training(run, cfg.pipeline, config, train)
     val = vp.run_phase(trainer, val_loader, train=False)
     metrics = epoch_metrics(cfg, train, val)
     run.log.log(cfg.pipeline, config, metrics)

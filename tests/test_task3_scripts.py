@@ -231,6 +231,37 @@ def test_an_interrupt_during_validation_keeps_the_training_record(
     assert not (tmp_path / "vit_pipeline.jsonl").exists()
 
 
+def test_an_interrupt_during_training_keeps_the_batches_trained(tmp_path, data_cache, monkeypatch):
+    """Ctrl-C in the third training step: exit 130, and vit_train_epoch.jsonl holds one whole
+    record of the two batches finished, marked interrupted; the epoch's record never started."""
+    build_trainer = vp.build_trainer
+
+    def stopping_at_third_step(*args, **kwargs):
+        trainer, steps = build_trainer(*args, **kwargs), []
+        step = trainer.train_step
+
+        def train_step(x, y):
+            steps.append(1)
+            if len(steps) == 3:
+                raise KeyboardInterrupt
+            return step(x, y)
+
+        trainer.train_step = train_step
+        return trainer
+
+    monkeypatch.setattr(vp, "build_trainer", stopping_at_third_step)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--quick", "--max-images", "40", "--batch-size",
+                                      "8", "--data-cache", str(data_cache), "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        run_main(train.main)
+    assert e.value.code == 130
+    (record,) = whole_records(tmp_path / "vit_train_epoch.jsonl")
+    m = record["metrics"]
+    assert record["config"]["interrupted"] is True
+    assert (m["n_train"], m["train_batches"]) == (16, 2) and m["train_loss"] > 0
+    assert not (tmp_path / "vit_pipeline.jsonl").exists()
+
+
 def test_a_folder_without_the_csv_is_a_usage_error(tmp_path):
     (tmp_path / "images_original").mkdir()
     with pytest.raises(UsageError, match=r"^--data: .*images.csv is missing"):

@@ -35,6 +35,7 @@ from effdl.vit_pipeline.data import (
 )
 from effdl.vit_pipeline.training import (
     BatchStats,
+    PhaseInterrupted,
     PhaseResult,
     Trainer,
     build_trainer,
@@ -49,6 +50,7 @@ __all__ = [
     "PRESETS",
     "BatchStats",
     "ClothingData",
+    "PhaseInterrupted",
     "PhaseResult",
     "PipelineConfig",
     "Trainer",

@@ -149,7 +149,8 @@ def timed_batches(loader: DataLoader, waits: list[float], desc: str) -> Iterator
 
 def run_phase(trainer: Trainer, loader: DataLoader, train: bool) -> PhaseResult:
     """One epoch (``train``) or one validation pass over ``loader``; every step is timed on the
-    device (CUDA events, read once at the end) and every wait for a batch on the host clock."""
+    device (CUDA events, read once at the end) and every wait for a batch on the host clock.
+    Ctrl-C raises :class:`PhaseInterrupted` with the batches finished so far."""
     cfg = trainer.cfg
     trainer.model.train(train)
     stats, timer, waits = BatchStats(cfg.sync_every_step), RegionTimer(trainer.device), []
@@ -158,14 +159,30 @@ def run_phase(trainer: Trainer, loader: DataLoader, train: bool) -> PhaseResult:
     else:
         step = trainer.eval_step
         grad_mode = torch.inference_mode() if cfg.val_no_grad else contextlib.nullcontext()
+    interrupted = False
     with peak_memory(trainer.device) as mem, grad_mode:
         start = time.perf_counter()
-        for batch in timed_batches(loader, waits, "train" if train else "val"):
-            with timer.region():
-                x, y = trainer.to_device(batch, train)
-                loss, logits = step(x, y)
-                stats.add(loss, logits, y)
+        try:
+            for batch in timed_batches(loader, waits, "train" if train else "val"):
+                with timer.region():
+                    x, y = trainer.to_device(batch, train)
+                    loss, logits = step(x, y)
+                    stats.add(loss, logits, y)
+        except KeyboardInterrupt:
+            interrupted = True
         losses, accuracies = stats.host()
         step_s = timer.times()  # one synchronize
         wall_s = time.perf_counter() - start
-    return PhaseResult(losses, accuracies, stats.sizes, waits, step_s, wall_s, mem.gib)
+    done = len(stats.sizes)  # batches whose step finished (an interrupted one has no stats)
+    result = PhaseResult(losses, accuracies, stats.sizes, waits[:done], step_s[:done], wall_s, mem.gib)  # fmt: skip
+    if interrupted:
+        raise PhaseInterrupted(result)
+    return result
+
+
+class PhaseInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a pass; ``partial`` holds the batches it finished, measured as usual."""
+
+    def __init__(self, partial: PhaseResult) -> None:
+        super().__init__()
+        self.partial = partial
