@@ -33,6 +33,15 @@ class UsageError(Exception):
     """Bad arguments or input data; shown to the user as one line, no traceback."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C inside a unit of measured work; ``partial`` holds what it measured before, for the
+    caller to log before the run ends (:func:`run_main` exits 130 as for any Ctrl-C)."""
+
+    def __init__(self, partial: Any) -> None:
+        super().__init__()
+        self.partial = partial
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (``prog: error: ...``, exit code 2), like
     :func:`run_main`'s: the usage is left to ``--help``."""

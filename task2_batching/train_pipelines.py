@@ -14,6 +14,7 @@ compare at equal useful work rather than equal step counts.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from effdl.amp.precision import forward_precision
 from effdl.cli import (
+    Interrupted,
     Run,
     UsageError,
     print_table,
@@ -128,44 +130,54 @@ def train_on_budget(
     autocast: Callable,
     variant: str,
 ) -> dict[str, Any]:
-    """Train ``model`` on ``loader`` until it has seen ``cfg.token_budget`` real tokens."""
+    """Train ``model`` on ``loader`` until it has seen ``cfg.token_budget`` real tokens. Ctrl-C
+    raises :class:`effdl.cli.Interrupted` with the metrics of the steps finished (None if none)."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     real = slots = 0
     losses = []
     step_peaks = []
+    interrupted = False
     with peak_memory(run.device) as mem:
         start = time.perf_counter()
         bar = tqdm(
             total=cfg.token_budget, desc=f"  {variant}", unit="tok", unit_scale=True, leave=False
         )
-        for batch in endless(loader):
-            inputs = lm_inputs(batch)
-            real += inputs.n_real_tokens
-            slots += inputs.n_slots
-            losses.append(
-                train_step(model, opt, inputs.to(run.device, non_blocking=True), autocast)
-            )
-            step_peaks.append(take_peak_memory(run.device))
-            bar.update(inputs.n_real_tokens)
-            if real >= cfg.token_budget:
-                break
+        try:
+            for batch in endless(loader):
+                inputs = lm_inputs(batch)
+                device_inputs = inputs.to(run.device, non_blocking=True)
+                losses.append(train_step(model, opt, device_inputs, autocast))
+                real += inputs.n_real_tokens  # counted once the step is done
+                slots += inputs.n_slots
+                step_peaks.append(take_peak_memory(run.device))
+                bar.update(inputs.n_real_tokens)
+                if real >= cfg.token_budget:
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
         bar.close()
-        tail = torch.stack(losses[-LOSS_TAIL:]).float().mean().item()  # the one synchronize
-        require_converged("--lr", f"the {variant} run", tail)
+        tail = torch.stack(losses[-LOSS_TAIL:]).float().mean().item() if losses else math.nan
         total_s = time.perf_counter() - start
-    flops = 3 * matmul_flops_per_token(model.cfg, cfg.max_length) * slots
-    return {
-        "total_s": total_s,
-        "steps": len(losses),
-        "real_tokens": real,
-        "slots": slots,
-        "padding_fraction": 1 - real / slots,
-        "real_tokens_per_s": real / total_s,
-        "peak_mem_gib": max(mem.gib, max(step_peaks)),
-        "step_peak_gib_median": float(np.median(step_peaks)),
-        "final_loss": tail,
-        "approx_tflops": flops / total_s / 1e12,
-    }
+
+    def metrics() -> dict[str, Any]:
+        flops = 3 * matmul_flops_per_token(model.cfg, cfg.max_length) * slots
+        return {
+            "total_s": total_s,
+            "steps": len(losses),
+            "real_tokens": real,
+            "slots": slots,
+            "padding_fraction": 1 - real / slots,
+            "real_tokens_per_s": real / total_s,
+            "peak_mem_gib": max(mem.gib, max(step_peaks)),
+            "step_peak_gib_median": float(np.median(step_peaks)),
+            "final_loss": tail,
+            "approx_tflops": flops / total_s / 1e12,
+        }
+
+    if interrupted:
+        raise Interrupted(metrics() if losses and math.isfinite(tail) else None)
+    require_converged("--lr", f"the {variant} run", tail)  # the one synchronize read it
+    return metrics()
 
 
 def base_config(
@@ -199,8 +211,14 @@ def train_pipelines(
         seed_everything(run.seed)
         model = GPTLikeModel(model_cfg).to(run.device).train()
         loader = runs.loader(name, k, cfg, corpus, model, run, cfg.batch_size)
-        m = train_on_budget(cfg, model, loader, run, autocast, variant)
-        run.log.log(variant, {**base, "pipeline": name, "k": k}, m)
+        config = {**base, "pipeline": name, "k": k}
+        try:
+            m = train_on_budget(cfg, model, loader, run, autocast, variant)
+        except Interrupted as stop:  # Ctrl-C: the steps trained so far are logged first
+            if stop.partial is not None:
+                run.log.log(variant, {**config, "interrupted": True}, stop.partial)
+            raise KeyboardInterrupt from None
+        run.log.log(variant, config, m)
         rows.append(
             {
                 "pipeline": variant,

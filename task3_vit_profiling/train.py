@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import effdl.vit_pipeline as vp
-from effdl.cli import Run, print_table, require_converged, run_main, start_run
+from effdl.cli import Interrupted, Run, print_table, require_converged, run_main, start_run
 from effdl.profiling.timing import TimingStats
 
 LOG = "vit_pipeline.jsonl"
@@ -113,7 +113,7 @@ def main() -> None:
               "device": str(run.device), "seed": run.seed, "run_id": run.run_id}  # fmt: skip
     try:
         train = vp.run_phase(trainer, train_loader, train=True)
-    except vp.PhaseInterrupted as stop:  # Ctrl-C: the batches trained so far are logged first
+    except Interrupted as stop:  # Ctrl-C: the batches trained so far are logged first
         log_training(run, cfg.pipeline, {**config, "interrupted": True}, stop.partial)
         raise KeyboardInterrupt from None
     log_training(run, cfg.pipeline, config, train)

@@ -130,3 +130,25 @@ def test_training_never_spins_on_an_empty_loader():
     endless = load_script("train_pipelines").endless([])
     with pytest.raises(RuntimeError, match="no batch in a whole epoch"):
         next(endless)
+
+
+def test_an_interrupt_mid_training_logs_the_steps_finished(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the fourth step of the first pipeline: exit 130, and the log holds that
+    pipeline's record of its three finished steps, marked interrupted, and nothing after."""
+    module = load_script("train_pipelines")
+    step, calls = module.train_step, []
+
+    def train_step(model, opt, inputs, autocast):
+        calls.append(1)
+        if len(calls) == 3 + 4:  # the three warm-up steps, then the fourth trained one
+            raise KeyboardInterrupt
+        return step(model, opt, inputs, autocast)
+
+    monkeypatch.setattr(module, "train_step", train_step)
+    monkeypatch.setattr(sys, "argv", ["train_pipelines.py", "--quick", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        run_main(module.main)
+    assert e.value.code == 130
+    (record,) = read_records(tmp_path / "train_pipelines.jsonl")
+    assert record["config"]["interrupted"] is True
+    assert record["metrics"]["steps"] == 3 and record["metrics"]["real_tokens"] > 0

@@ -35,7 +35,6 @@ from effdl.vit_pipeline.data import (
 )
 from effdl.vit_pipeline.training import (
     BatchStats,
-    PhaseInterrupted,
     PhaseResult,
     Trainer,
     build_trainer,
@@ -50,7 +49,6 @@ __all__ = [
     "PRESETS",
     "BatchStats",
     "ClothingData",
-    "PhaseInterrupted",
     "PhaseResult",
     "PipelineConfig",
     "Trainer",

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from effdl.cli import Interrupted
 from effdl.models.vit import PRESETS as MODEL_PRESETS
 from effdl.models.vit import ViT
 from effdl.profiling.timing import RegionTimer, peak_memory
@@ -150,7 +151,7 @@ def timed_batches(loader: DataLoader, waits: list[float], desc: str) -> Iterator
 def run_phase(trainer: Trainer, loader: DataLoader, train: bool) -> PhaseResult:
     """One epoch (``train``) or one validation pass over ``loader``; every step is timed on the
     device (CUDA events, read once at the end) and every wait for a batch on the host clock.
-    Ctrl-C raises :class:`PhaseInterrupted` with the batches finished so far."""
+    Ctrl-C raises :class:`effdl.cli.Interrupted` with the batches finished so far."""
     cfg = trainer.cfg
     trainer.model.train(train)
     stats, timer, waits = BatchStats(cfg.sync_every_step), RegionTimer(trainer.device), []
@@ -176,13 +177,5 @@ def run_phase(trainer: Trainer, loader: DataLoader, train: bool) -> PhaseResult:
     done = len(stats.sizes)  # batches whose step finished (an interrupted one has no stats)
     result = PhaseResult(losses, accuracies, stats.sizes, waits[:done], step_s[:done], wall_s, mem.gib)  # fmt: skip
     if interrupted:
-        raise PhaseInterrupted(result)
+        raise Interrupted(result)
     return result
-
-
-class PhaseInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a pass; ``partial`` holds the batches it finished, measured as usual."""
-
-    def __init__(self, partial: PhaseResult) -> None:
-        super().__init__()
-        self.partial = partial
