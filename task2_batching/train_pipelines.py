@@ -5,7 +5,8 @@ rows) trains a freshly initialised model (same seed) with forward + backward + A
 has consumed ``--token-budget`` real (non-padding) tokens. Reported: total wall time (data
 loading included, one synchronize at the end), peak GPU memory (of the run: its largest batch;
 and the median step's own peak), steps, and the mean loss of the last steps, so the pipelines
-compare at equal useful work rather than equal step counts.
+compare at equal useful work rather than equal step counts. One record per pipeline as it ends;
+a Ctrl-C writes the interrupted pipeline's record of its finished steps (``config.interrupted``).
 
     python task2_batching/train_pipelines.py --quick            # CPU smoke run, tiny model
     python task2_batching/train_pipelines.py --device cuda --cache runs/cache/wt103_v32k.npz
