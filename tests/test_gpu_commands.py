@@ -219,7 +219,10 @@ def test_a_check_runs_records_and_fails_on_a_failure(tmp_path, monkeypatch, caps
     ]
     monkeypatch.setattr(check, "COMMANDS", listed)
     monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 1)
-    assert check.main(["--out", str(tmp_path / "acceptance"), "--budget-s", "100"]) == 1
+    assert (
+        check.main(["--out", str(tmp_path / "acceptance"), "--budget-s", "100", "--per-gpu", "1"])
+        == 1
+    )
     (log,) = (tmp_path / "acceptance").glob("*/gpu_check.jsonl")
     records = {r["variant"]: r["metrics"] for r in map(json.loads, log.read_text().splitlines())}
     assert {k: r["status"] for k, r in records.items()} == {
@@ -283,9 +286,11 @@ from pathlib import Path
 out, name = Path(sys.argv[2]), sys.argv[3]
 if name == "reader":
     assert (out.parent / "writer" / "done").exists(), "ran before the command it reads from"
-time.sleep(0.5 if name == "writer" else 0.1)
+begin = time.time()
+time.sleep(0.5 if name == "writer" else 0.3)
 out.mkdir(parents=True)
-(out / "done").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+device = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
+(out / "done").write_text(f"{device} {begin} {time.time()}")
 """
 
 
@@ -300,10 +305,37 @@ def test_one_gpu_commands_share_the_gpus_in_lanes(tmp_path, monkeypatch):
     monkeypatch.setattr(check, "COMMANDS", listed)
     monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    assert check.main(["--out", str(tmp_path / "acceptance")]) == 0
+    assert check.main(["--out", str(tmp_path / "acceptance"), "--per-gpu", "1"]) == 0
     (run_dir,) = (tmp_path / "acceptance").glob("2*")
-    lanes = {c.name: (run_dir / c.name / "done").read_text() for c in listed}
+    lanes = {c.name: (run_dir / c.name / "done").read_text().split()[0] for c in listed}
     assert set(lanes.values()) == {"4", "6"}  # each command saw one GPU, both lanes were used
     (log,) = run_dir.glob("gpu_check.jsonl")
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert {r["variant"]: r["config"]["lane"] for r in records} == lanes
+    assert {r["variant"]: r["config"]["device"] for r in records} == lanes
+
+
+def test_commands_share_a_gpu_and_an_exclusive_one_runs_alone(tmp_path, monkeypatch):
+    (tmp_path / "lane.py").write_text(LANE_FAKE)
+    fake = f"python3 {tmp_path / 'lane.py'} --out {{out}}"
+    listed = [
+        *(commands.GpuCommand(f"a{i}", "python3 a.py", f"{fake} a{i}", 30, None) for i in range(3)),
+        commands.GpuCommand("big", "python3 a.py", f"{fake} big", 30, None, exclusive=True),
+        *(commands.GpuCommand(f"b{i}", "python3 a.py", f"{fake} b{i}", 30, None) for i in range(3)),
+    ]
+    monkeypatch.setattr(check, "COMMANDS", listed)
+    monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 1)
+    assert check.main(["--out", str(tmp_path / "acceptance"), "--per-gpu", "2"]) == 0
+    (run_dir,) = (tmp_path / "acceptance").glob("2*")
+    spans = {}
+    for c in listed:
+        _, begin, end = (run_dir / c.name / "done").read_text().split()
+        spans[c.name] = (float(begin), float(end))
+
+    def overlap(x: str, y: str) -> bool:
+        return spans[x][0] < spans[y][1] and spans[y][0] < spans[x][1]
+
+    others = [n for n in spans if n != "big"]
+    assert not any(overlap("big", n) for n in others)  # the exclusive one had the GPU alone
+    assert any(overlap(x, y) for x in others for y in others if x < y)  # the others shared it
+    for t in spans.values():  # never more than two at once
+        assert sum(s[0] <= t[0] < s[1] for s in spans.values()) <= 2

@@ -8,8 +8,10 @@ After each command a record (exit code, seconds, headline figure) is appended to
 well above its usual time; a command is skipped, not started, when less than half its limit is
 left of ``--budget-s``, when its GPUs are missing, an optional module is
 absent or the command it reads from did not pass. The several-GPU commands run first, one at a
-time; then the one-GPU commands run in one lane per GPU (``CUDA_VISIBLE_DEVICES`` set to it, a
-data cache of its own), a command waiting for the one it reads from. ``--with-tests`` then runs the GPU tests, under
+time; then the one-GPU commands run in lanes, ``--per-gpu`` of them on each GPU
+(``CUDA_VISIBLE_DEVICES`` set to it, a data cache of its own), a command waiting for the one it
+reads from and an ``exclusive`` one for a GPU of its own. Commands sharing a GPU slow each other:
+their figures say that the command runs, the reports' figures come from full runs alone. ``--with-tests`` then runs the GPU tests, under
 a limit of their own. Exit code 1 if any command failed or timed out.
 
     python3 tools/gpu_check.py                      # everything this host can run
@@ -46,6 +48,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
                  "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 TESTS = 'python3 -m pytest -m "gpu or multigpu" -q --durations=30'  # multigpu ones skip on one GPU
 TESTS_LIMIT_S = 540  # DESIGN.md: 6 minutes of GPU tests on one H100; the multi-GPU ones beside
+SHARE_MIN_GIB = 64  # two short forms fit beside each other on a GPU this large
 KILL_GRACE_S = 10  # between SIGTERM and SIGKILL of a command's process group
 TAIL_LINES = 15  # of a failed command's output, printed
 
@@ -73,6 +76,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the commands and exit")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="skip a command whose time limit no longer fits in this many seconds")  # fmt: skip
+    p.add_argument("--per-gpu", type=int, default=None,
+                   help=f"commands sharing a GPU at once (default: 2 on GPUs of {SHARE_MIN_GIB} GiB or more, else 1)")  # fmt: skip
     p.add_argument("--with-tests", action="store_true",
                    help=f"then `{TESTS}` (limit {TESTS_LIMIT_S} s, outside the budget)")  # fmt: skip
     return p.parse_args(argv)
@@ -252,17 +257,34 @@ def lane_devices(gpus: int) -> list[str]:
     return names[:gpus]
 
 
+def default_per_gpu(gpus: int) -> int:
+    """2 when every GPU holds two short forms at once, else 1."""
+    smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
+    return 2 if smallest >= SHARE_MIN_GIB * 2**30 else 1
+
+
+def free_device(c: GpuCommand, free: dict[str, list[int]], per_gpu: int) -> str | None:
+    """A device with a free lane for ``c`` (all its lanes when ``c`` is exclusive), emptiest first."""
+    need = per_gpu if c.exclusive else 1
+    fits = [d for d, lanes in free.items() if len(lanes) >= need]
+    return max(fits, key=lambda d: len(free[d])) if fits else None
+
+
 def run_in_lanes(commands: list[GpuCommand], gpus: int, args: argparse.Namespace,
                  start: float, run_dir: Path, log: RunLog, done: dict) -> None:  # fmt: skip
-    """One-GPU commands in list order, one lane per GPU; a command whose ``after`` has not
-    ended yet waits and the next one takes the free lane."""
-    pending, running = list(commands), {}  # running: Future -> (command, lane)
-    free = lane_devices(gpus)
-    with ThreadPoolExecutor(max_workers=len(free)) as pool:
+    """One-GPU commands in list order, ``per_gpu`` lanes per GPU; a command whose ``after`` has
+    not ended yet waits and the next one takes the free lane; an exclusive command that finds
+    no idle GPU holds back the ones after it until a GPU empties."""
+    pending, running = list(commands), {}  # running: Future -> (command, device, its lanes)
+    per_gpu = args.per_gpu or default_per_gpu(gpus)
+    free = {d: list(range(per_gpu)) for d in lane_devices(gpus)}  # device -> its free lanes
+    print(f"{per_gpu} command(s) at once on each GPU", flush=True)
+    with ThreadPoolExecutor(max_workers=gpus * per_gpu) as pool:
         while pending or running:
-            busy = {c.name for c, _ in running.values()} | {c.name for c in pending}
+            busy = {c.name for c, _, _ in running.values()} | {c.name for c in pending}
             for c in [c for c in pending if c.after not in busy]:
-                if not free:
+                device = free_device(c, free, per_gpu)
+                if device is None:
                     break
                 pending.remove(c)
                 left_s = args.budget_s - (time.monotonic() - start)
@@ -271,19 +293,21 @@ def run_in_lanes(commands: list[GpuCommand], gpus: int, args: argparse.Namespace
                     done[c.name] = skipped
                     record(log, skipped, {**command_config(c), "gpus": gpus})
                     continue
-                lane = free.pop(0)
-                env = {"CUDA_VISIBLE_DEVICES": lane} if gpus > 1 else None
-                cache = args.out / "cache" / (f"lane{lane}" if gpus > 1 else "")
+                lanes = free[device] if c.exclusive else free[device][:1]
+                free[device] = [n for n in free[device] if n not in lanes]
+                env = {"CUDA_VISIBLE_DEVICES": device} if gpus > 1 else None
+                cache = args.out / "cache" / f"lane{device}.{lanes[0]}"  # its own while it runs
                 future: Future = pool.submit(run_command, c, run_dir, cache, env)
-                running[future] = (c, lane)
+                running[future] = (c, device, lanes)
             if not running:
                 continue
             for future in wait(running, return_when=FIRST_COMPLETED).done:
-                c, lane = running.pop(future)
-                free.append(lane)
+                c, device, lanes = running.pop(future)
+                free[device] += lanes
                 done[c.name] = future.result()
                 report(done[c.name], run_dir)
-                config = {**command_config(c), "gpus": gpus, "lane": lane}
+                config = {**command_config(c), "gpus": gpus, "device": device,
+                          "commands_on_gpu": 1 if c.exclusive else per_gpu}  # fmt: skip
                 record(log, done[c.name], config)
 
 

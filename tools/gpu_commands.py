@@ -51,6 +51,7 @@ class GpuCommand:
     readme: str = "README.md"  # the README that shows the command
     after: str | None = None  # a command whose output this one reads
     requires: tuple[str, ...] = ()  # optional modules; without them the command is skipped
+    exclusive: bool = False  # a GPU of its own: large, or its figure is a speed ratio
 
     @property
     def script(self) -> str:
@@ -234,6 +235,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         60,
         Headline("speed_ratio", "ratio_to_baseline", "x HF fwd+bwd"),
         comment="then the plain forward+backward of HF's GPT-2 and ours, same process",
+        exclusive=True,
     ),
     GpuCommand(
         "gpt2-pretrain-docs",
