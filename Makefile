@@ -48,18 +48,21 @@ demo-task1: $(STAMP)
 	@echo "== task1_loss_scaling: UNet segmentation under every precision/scaler mode (quick)"
 	$(PY) task1_loss_scaling/train_unet.py --quick --device cpu --out $(RUNS)/task1
 	$(PY) task1_loss_scaling/lm_precision.py --quick --device cpu --out $(RUNS)/task1
+	$(PY) tools/stand_in_data.py --quick --tasks task1 --out $(RUNS)
 demo-task2: $(STAMP)
 	@echo "== task2_batching: padded, bucketed and packed pipelines (quick)"
 	$(PY) task2_batching/mock_epoch.py --quick --device cpu --out $(RUNS)/task2
 	$(PY) task2_batching/train_pipelines.py --quick --device cpu --out $(RUNS)/task2
 	$(PY) task2_batching/sampler_costs.py --quick --out $(RUNS)/task2
 	$(PY) task2_batching/packing_costs.py --quick --out $(RUNS)/task2
+	$(PY) tools/stand_in_data.py --quick --tasks task2 --out $(RUNS)
 demo-task3: $(STAMP)
 	@echo "== task3_vit_profiling: one ViT epoch + validation and a profile, the pipeline as given and fixed (quick)"
 	$(PY) task3_vit_profiling/train.py --quick --device cpu --pipeline as_given --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit
 	$(PY) task3_vit_profiling/train.py --quick --device cpu --pipeline fixed --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit
 	$(PY) task3_vit_profiling/profile_model.py --quick --device cpu --pipeline as_given --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit --wait 0 --warmup 1 --active 1 --overhead-rounds 1 --overhead-seconds 0 --overhead-steps 1 --sample-every 2 --compare-sample-every 2
 	$(PY) task3_vit_profiling/profile_model.py --quick --device cpu --pipeline fixed --data-cache $(RUNS)/cache/task3 --out $(RUNS)/vit --wait 0 --warmup 1 --active 1 --overhead-rounds 1 --overhead-seconds 0 --overhead-steps 1 --sample-every 2 --compare-sample-every 2
+	$(PY) tools/stand_in_data.py --quick --tasks vit --out $(RUNS)
 demo-gpt2: $(STAMP)
 	@echo "== memory_efficient_gpt2: offloaded Adam on a tiny GPT-2 (quick)"
 	$(PY) memory_efficient_gpt2/train.py --quick --out $(RUNS)/gpt2

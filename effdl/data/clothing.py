@@ -51,6 +51,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 # The 20 labels and their approximate frequencies in clothing-dataset-full (5,403 photos):
 # heavily imbalanced, T-Shirt about 19%, Skip about 0.2%.
+CLOTHING_IMAGES = 5403
 LABEL_COUNTS = {
     "T-Shirt": 1011, "Longsleeve": 699, "Pants": 692, "Shoes": 431, "Shirt": 378,
     "Dress": 357, "Outwear": 312, "Shorts": 308, "Not sure": 228, "Hat": 171, "Skirt": 155,
@@ -359,6 +360,31 @@ def clothing_like_image(
         + np.tile(grain, (height // 128 + 1, width // 128 + 1, 1))[:height, :width]
     )
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def clothing_like_sizes(n_images: int, seed: int, min_side: int, max_side: int) -> np.ndarray:
+    """``n_images x 2`` (width, height) of the generated photos, as :func:`clothing_like_image`
+    draws them, without drawing a pixel."""
+    sizes = [_photo_size(np.random.default_rng([seed, i]), min_side, max_side)
+             for i in range(n_images)]  # fmt: skip
+    return np.array(sizes, dtype=np.int64).reshape(n_images, 2)
+
+
+def image_sizes(root: str | os.PathLike) -> np.ndarray:
+    """``N x 2`` (width, height) of every photo listed in ``root``'s ``images.csv``, in its
+    order, read from the file headers (no decoding). Layout errors as
+    :func:`read_clothing_frame`; a file PIL cannot identify is a :class:`ClothingFileError`."""
+    root = Path(root)
+    sizes = []
+    for name in read_clothing_frame(root)["image"]:
+        path = image_path(root, name)
+        try:
+            with Image.open(path) as im:
+                sizes.append(im.size)
+        except DECODE_ERRORS as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ClothingFileError(f"{path}{DECODE_FAILED} ({reason})") from None
+    return np.array(sizes, dtype=np.int64).reshape(len(sizes), 2)
 
 
 def _write_image(args: tuple[str, str, int, int, int, int, Path]) -> None:

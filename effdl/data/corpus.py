@@ -12,19 +12,29 @@ headings; the empty lines between them carry no text). Three sources give the sa
   are log-normal, about 1% of them longer than 640 tokens). At full size it has WikiText-103's
   1,801,350 lines and about 100 M whitespace tokens; it is built with numpy in chunks of lines
   and can be written in the official file layout.
+
+:func:`measure_corpus` measures what batching depends on, for any of them: line (sample) and
+article lengths in tokens, and the totals, beside the real split's published figures
+(``WIKITEXT103_TRAIN_*``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+# The real train split (wikitext-103-raw), as published by Merity et al. 2016 ("Pointer Sentinel
+# Mixture Models"); tokens and vocabulary are counted with their tokenization, not basic_english.
 WIKITEXT103_TRAIN_LINES = 1_801_350
+WIKITEXT103_TRAIN_ARTICLES = 28_475
+WIKITEXT103_TRAIN_TOKENS = 103_227_021
+WIKITEXT103_VOCAB = 267_735
 OFFICIAL_NAMES = ("wiki.train.raw", "wiki.train.tokens")
 
 # The most frequent WikiText tokens, in rough frequency order; the rest of the vocabulary is
@@ -237,6 +247,73 @@ def synthetic_corpus(cfg: SyntheticCorpusConfig | None = None) -> list[str]:
     for chunk in iter_wikitext_lines(cfg or SyntheticCorpusConfig()):
         samples.extend(non_empty(chunk))
     return samples
+
+
+def is_article_title(line: str) -> bool:
+    """True for an article heading `` = Title = `` (one ``=`` each side; sections have more)."""
+    text = line.strip()
+    return text.startswith("= ") and text.endswith(" =") and not text.startswith("= =")
+
+
+@dataclass(frozen=True)
+class CorpusStats:
+    """Lengths of a WikiText-style corpus: per non-empty line (a sample), in order.
+
+    ``line_tokens`` counts the tokens of the tokenizer given to :func:`measure_corpus`,
+    ``line_words`` whitespace-separated tokens (WikiText's own files are written already tokenized,
+    so that is their token count); ``title`` marks article headings. An article runs from its
+    heading to the next one; lines before the first heading belong to none.
+    """
+
+    n_lines: int  # all lines, blank ones included
+    line_tokens: np.ndarray  # int64 per non-empty line
+    line_words: np.ndarray  # int64 per non-empty line
+    title: np.ndarray  # bool per non-empty line
+    vocabulary: int  # distinct tokens of the tokenizer
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.line_tokens)
+
+    @property
+    def n_articles(self) -> int:
+        return int(self.title.sum())
+
+    def article_lengths(self, words: bool = False) -> np.ndarray:
+        """Tokens (``words``: whitespace tokens) of each article, in order."""
+        article = np.cumsum(self.title) - 1  # -1: before the first heading
+        lengths = self.line_words if words else self.line_tokens
+        inside = article >= 0
+        return np.bincount(article[inside], lengths[inside], minlength=self.n_articles).astype(
+            np.int64
+        )
+
+    def share_longer(self, n_tokens: int) -> float:
+        """Share of the non-empty lines with more than ``n_tokens`` tokens."""
+        return float((self.line_tokens > n_tokens).mean()) if self.n_samples else 0.0
+
+
+def measure_corpus(
+    chunks: Iterable[Sequence[str]], tokenize_lines: Callable[[Sequence[str]], list[list[str]]]
+) -> CorpusStats:
+    """Line and article lengths of a corpus given as chunks of lines (blank lines included, e.g.
+    :func:`iter_wikitext_lines`), streamed: only the per-line counts and the set of distinct
+    tokens are kept. ``tokenize_lines`` maps a list of lines to their token lists (e.g.
+    :func:`effdl.data.tokenize.basic_english_many`). Time and memory: one pass, linear in the text.
+    """
+    n_lines, tokens, words, titles = 0, [], [], []
+    vocabulary: set[str] = set()
+    for chunk in chunks:
+        n_lines += len(chunk)
+        lines = non_empty(list(chunk))
+        token_lists = tokenize_lines(lines)
+        vocabulary.update(itertools.chain.from_iterable(token_lists))
+        tokens.append(np.fromiter(map(len, token_lists), np.int64, len(lines)))
+        words.append(np.fromiter((len(line.split()) for line in lines), np.int64, len(lines)))
+        titles.append(np.fromiter(map(is_article_title, lines), bool, len(lines)))
+    join = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+    return CorpusStats(n_lines, join(tokens, np.int64), join(words, np.int64),
+                       join(titles, bool), len(vocabulary))  # fmt: skip
 
 
 def write_wikitext(

@@ -11,6 +11,8 @@ the result as uint8 tensors in a cache file, so training epochs do no JPEG/GIF d
 :func:`generate_synthetic_carvana` writes a seeded Carvana-like set in the same layout (car-like
 silhouettes with wheels, windows and shading on textured studio backgrounds, a soft shadow that
 is not part of the mask), so everything runs without the real data.
+:func:`synthetic_mask_fractions` and :func:`carvana_mask_fractions` measure the share of car
+pixels of each mask, of the synthetic set and of a folder (the real masks) alike.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +32,8 @@ from PIL import Image, ImageDraw, ImageFilter
 from effdl.data.process_pool import map_in_processes
 
 IMAGE_DIR, MASK_DIR, MASK_SUFFIX = "train", "train_masks", "_mask.gif"
+# The real train set (Kaggle's Carvana Image Masking Challenge): 318 cars x 16 views, 1918 x 1280.
+CARVANA_TRAIN_IMAGES, CARVANA_CARS, CARVANA_WIDTH, CARVANA_HEIGHT = 5088, 318, 1918, 1280
 # What PIL raises for a file it cannot identify, a truncated stream or a corrupt one.
 DECODE_ERRORS = (OSError, ValueError, EOFError, SyntaxError, Image.DecompressionBombError)
 
@@ -84,8 +89,38 @@ def load_pair(image: Path, mask: Path, size: int) -> tuple[np.ndarray, np.ndarra
             f"{im.size[0]}x{im.size[1]} (expected the same size)"
         )
     rgb = np.asarray(im.resize((size, size), Image.BILINEAR))
-    mk = np.asarray(m.resize((size, size), Image.BILINEAR)) > 0
-    return np.ascontiguousarray(rgb.transpose(2, 0, 1)), mk.astype(np.uint8)
+    return np.ascontiguousarray(rgb.transpose(2, 0, 1)), binary_mask(m, size).astype(np.uint8)
+
+
+def binary_mask(mask: Image.Image, size: int | None = None) -> np.ndarray:
+    """``mask`` (mode "L") as a bool array, car = pixel > 0; with ``size``, first resized to
+    ``size x size`` bilinearly, as the loader does."""
+    if size is not None:
+        mask = mask.resize((size, size), Image.BILINEAR)
+    return np.asarray(mask) > 0
+
+
+def mask_fraction(mask: Image.Image, size: int | None = None) -> float:
+    """Share of the pixels of ``mask`` that are car (see :func:`binary_mask`)."""
+    return float(binary_mask(mask, size).mean())
+
+
+def _fractions(mask: Image.Image, sizes: Sequence[int | None]) -> tuple[float, ...]:
+    return tuple(mask_fraction(mask, size) for size in sizes)
+
+
+def _file_fractions(args: tuple[Path, Sequence[int | None]]) -> tuple[float, ...]:
+    return _fractions(_decode(args[0], "L"), args[1])
+
+
+def carvana_mask_fractions(
+    root: str | os.PathLike, sizes: Sequence[int | None] = (None,), workers: int | None = None
+) -> Iterator[tuple[float, ...]]:
+    """For every mask under ``root`` (in :func:`carvana_pairs` order), its car fraction at each
+    of ``sizes`` (None: as stored; n: resized as the loader does), lazily; decoded in
+    ``workers`` processes. A mask that cannot be decoded is a :class:`CarvanaFileError`."""
+    jobs = [(mask, tuple(sizes)) for _, mask in carvana_pairs(root)]
+    yield from map_in_processes(_file_fractions, jobs, workers, chunksize=16)
 
 
 def _decode(path: Path, mode: str) -> Image.Image:
@@ -307,6 +342,22 @@ def synthetic_car(config: SyntheticCarvanaConfig, index: int) -> tuple[Image.Ima
     img = img * (1 - car) + paint * car
     img = np.clip(img + 0.015 * rng.standard_normal(img.shape, dtype=np.float32), 0, 1)
     return Image.fromarray((img * 255).astype(np.uint8)), mask
+
+
+def _synthetic_fractions(args: tuple[SyntheticCarvanaConfig, int, Sequence[int | None]]):
+    config, index, sizes = args
+    return _fractions(synthetic_car(config, index)[1], sizes)
+
+
+def synthetic_mask_fractions(
+    config: SyntheticCarvanaConfig,
+    sizes: Sequence[int | None] = (None,),
+    workers: int | None = None,
+) -> Iterator[tuple[float, ...]]:
+    """:func:`carvana_mask_fractions` of the synthetic set, image by image in index order,
+    without writing it (each image is generated, as :func:`generate_synthetic_carvana` would)."""
+    jobs = [(config, i, tuple(sizes)) for i in range(config.n_images)]
+    yield from map_in_processes(_synthetic_fractions, jobs, workers, chunksize=16)
 
 
 def _image_name(config: SyntheticCarvanaConfig, index: int) -> str:

@@ -90,7 +90,7 @@ def basic_english(line: str) -> list[str]:
     return line.split()
 
 
-def _basic_english_many(lines: Sequence[str]) -> list[list[str]]:
+def basic_english_many(lines: Sequence[str]) -> list[list[str]]:
     """``[basic_english(l) for l in lines]``, computed on the lines joined by newlines.
 
     Equivalent because no rule but the last matches across a newline (so the first eleven can
@@ -275,7 +275,7 @@ class TokenizedCorpus:
 
 def _count_chunk(lines: Sequence[str]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """Tokenize a chunk with chunk-local ids: (local tokens, local ids, counts, lengths)."""
-    token_lists = _basic_english_many(lines)
+    token_lists = basic_english_many(lines)
     local: dict[str, int] = {}
     add = local.setdefault
     ids = np.fromiter(

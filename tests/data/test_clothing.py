@@ -23,9 +23,12 @@ from effdl.data.clothing import (
     DeviceNormalize,
     as_given_transforms,
     class_names,
+    clothing_like_sizes,
     decode_reduced,
+    decode_rgb,
     fixed_transforms,
     generate_clothing_like,
+    image_sizes,
     label_sequence,
     read_clothing_frame,
     split_frame,
@@ -214,3 +217,13 @@ def test_device_normalize_equals_to_tensor_then_normalize():
     out = DeviceNormalize(torch.device("cpu"))(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference)
+
+
+def test_image_sizes_are_the_decoded_sizes_and_the_generator_draws(small_set):
+    frame = read_clothing_frame(small_set)
+    decoded = [np.asarray(decode_rgb(clothing.image_path(small_set, n))).shape[1::-1]
+               for n in frame["image"]]  # fmt: skip
+    sizes = image_sizes(small_set)
+    assert sizes.shape == (30, 2) and sizes.tolist() == [list(d) for d in decoded]
+    assert np.array_equal(clothing_like_sizes(30, 3, **SMALL), sizes)
+    assert sizes.max() <= SMALL["max_side"] and sizes.min() >= SMALL["min_side"]

@@ -12,11 +12,13 @@ from effdl.data.corpus import (
     corpus_name,
     generate_wikitext_lines,
     load_corpus,
+    measure_corpus,
     non_empty,
     read_wikitext,
     synthetic_corpus,
     write_wikitext,
 )
+from effdl.data.tokenize import basic_english, basic_english_many
 
 QUICK = SyntheticCorpusConfig.quick()
 
@@ -154,3 +156,31 @@ def test_non_utf8_line_inside_a_valid_file_is_named_by_line_and_byte(
         match=re.escape(f"wiki.train.raw:{lineno}: not UTF-8 text (byte {offset} of the file;"),
     ):
         read_wikitext(tmp_path)
+
+
+def test_measure_corpus_matches_brute_force_counts(quick_lines):
+    chunks = [quick_lines[i : i + 333] for i in range(0, len(quick_lines), 333)]  # cuts articles
+    s = measure_corpus(chunks, basic_english_many)
+    samples = [line for line in quick_lines if line.strip()]
+    tokens = [len(basic_english(line)) for line in samples]
+    assert (s.n_lines, s.n_samples) == (len(quick_lines), len(samples))
+    assert s.line_tokens.tolist() == tokens
+    assert s.line_words.tolist() == [len(line.split()) for line in samples]
+    assert s.vocabulary == len({t for line in samples for t in basic_english(line)})
+    titles = [i for i, line in enumerate(samples) if re.fullmatch(r" = [^=].* = ", line)]
+    assert s.n_articles == len(titles) > 10
+    ends = [*titles[1:], len(samples)]
+    expected = [sum(tokens[a:b]) for a, b in zip(titles, ends, strict=True)]
+    assert s.article_lengths().tolist() == expected
+    assert s.share_longer(640) == sum(t > 640 for t in tokens) / len(tokens) > 0
+    whole = measure_corpus([quick_lines], basic_english_many)
+    assert whole.line_tokens.tolist() == tokens and whole.title.tolist() == s.title.tolist()
+
+
+def test_an_article_runs_from_its_heading_and_lines_before_the_first_belong_to_none():
+    lines = [" a b ", " ", " = T = ", " ", " = = S = = ", " c d e ", " = U = ", " f "]
+    s = measure_corpus([lines], lambda batch: [line.split() for line in batch])
+    assert s.title.tolist() == [False, True, False, False, True, False]
+    assert s.n_articles == 2
+    assert s.article_lengths().tolist() == [3 + 5 + 3, 3 + 1]
+    assert s.share_longer(2) == 4 / 6

@@ -10,11 +10,14 @@ from effdl.data.images import (
     CarvanaFileError,
     CarvanaLayoutError,
     SyntheticCarvanaConfig,
+    carvana_mask_fractions,
     carvana_pairs,
     generate_synthetic_carvana,
     load_carvana_tensors,
     load_pair,
+    mask_fraction,
     synthetic_car,
+    synthetic_mask_fractions,
 )
 
 CFG = SyntheticCarvanaConfig(n_images=6, width=96, height=64, views_per_car=3, seed=3)
@@ -148,3 +151,17 @@ def test_unwritable_tensor_cache_is_one_error_naming_it(synthetic_root, tmp_path
     ):
         load_carvana_tensors(synthetic_root, size=32, cache_dir=cache_dir, workers=1)
     assert not list(tmp_path.rglob("*.tmp*"))
+
+
+def test_mask_fractions_are_the_car_pixel_shares_of_the_written_masks(synthetic_root):
+    generated = list(synthetic_mask_fractions(CFG, (None, 32), workers=1))
+    masks = [np.asarray(synthetic_car(CFG, i)[1]) for i in range(CFG.n_images)]
+    assert [g[0] for g in generated] == [np.count_nonzero(m) / m.size for m in masks]
+    pairs = carvana_pairs(synthetic_root)
+    on_disk = list(carvana_mask_fractions(synthetic_root, (None, 32), workers=2))
+    stored = [np.asarray(Image.open(mask).convert("L")) for _, mask in pairs]
+    assert [f[0] for f in on_disk] == [np.count_nonzero(m) / m.size for m in stored]
+    assert [f[1] for f in on_disk] == [load_pair(*pair, size=32)[1].mean() for pair in pairs]
+    assert sorted(on_disk) == sorted(generated)  # the files hold exactly the generated masks
+    assert mask_fraction(Image.new("L", (4, 2), 0)) == 0.0
+    assert mask_fraction(Image.new("L", (4, 2), 255), size=3) == 1.0

@@ -12,8 +12,8 @@ from effdl.data.tokenize import (
     CacheRebuiltWarning,
     TokenizedCorpus,
     Vocab,
-    _basic_english_many,
     basic_english,
+    basic_english_many,
     cached_basic_english,
     encode_with_tokenizer,
     fit_basic_english,
@@ -61,9 +61,9 @@ def quick_lines():
 def test_joined_fast_path_equals_per_line_rules(quick_lines):
     lines = [*quick_lines[:300], *(c for c, _ in BASIC_ENGLISH_CASES if "\n" not in c)]
     lines += ["ΟΔΟΣ", "ΣΑ Σ", "x\x1cy", "q\u2028r", "tail ", "\u0130stanbul"]
-    assert _basic_english_many(lines) == [basic_english(line) for line in lines]
+    assert basic_english_many(lines) == [basic_english(line) for line in lines]
     with_newline = ["a\nb", "C.d"]  # takes the per-line path
-    assert _basic_english_many(with_newline) == [basic_english(line) for line in with_newline]
+    assert basic_english_many(with_newline) == [basic_english(line) for line in with_newline]
 
 
 @given(
@@ -71,7 +71,7 @@ def test_joined_fast_path_equals_per_line_rules(quick_lines):
 )
 @settings(max_examples=200, deadline=None)
 def test_joined_fast_path_property(lines):
-    assert _basic_english_many(lines) == [basic_english(line) for line in lines]
+    assert basic_english_many(lines) == [basic_english(line) for line in lines]
 
 
 def test_vocab_order_min_freq_and_max_size():
