@@ -5,6 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+NOT_MEASURED = "-"
+
+
+def format_measured(value: float | None, spec: str = ".3f") -> str:
+    """``value`` formatted by ``spec``, or :data:`NOT_MEASURED` where it is None (a quantity
+    this device cannot measure, such as peak GPU memory on the CPU)."""
+    return NOT_MEASURED if value is None else format(value, spec)
+
 
 def format_table(rows: Sequence[Mapping[str, Any]], floatfmt: str = ".4g") -> str:
     """Plain-text table of dict rows (columns from the union of keys, first-seen order)."""

@@ -333,14 +333,14 @@ def benchmark_shape(
 
 
 def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict]) -> dict:
-    nan = float("nan")
-    t = {v: m.get("step_s_median", nan) for v, m in res.items()}
+    """The shape's times and ratios by variant; None where a variant measured none (an OOM)."""
+    t = {v: m.get("step_s_median") for v, m in res.items()}
     row = {"shape": str(shape), "dtype": dtype_name}
-    row.update({f"{v} ms": s * 1e3 for v, s in t.items()})
+    row.update({f"{v} ms": None if s is None else s * 1e3 for v, s in t.items()})
     row.update({f"{v} host ms": m["host_s_median"] * 1e3 for v, m in res.items()
                 if "host_s_median" in m})  # fmt: skip
     kernels = {v: m for v, m in res.items() if v not in HOST_ONLY}
-    row.update({f"{v} frac copy": m.get("frac_copy", nan) for v, m in kernels.items()})
+    row.update({f"{v} frac copy": m.get("frac_copy") for v, m in kernels.items()})
     if all("graph_step_s_median" in m for m in kernels.values()):
         row.update({f"{v} graph ms": m["graph_step_s_median"] * 1e3 for v, m in kernels.items()})
         row.update({f"{v} graph frac copy": m["graph_frac_copy"] for v, m in kernels.items()})
@@ -351,7 +351,8 @@ def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict]) -> dict:
     if "torch" in res and "fused" in res:
         torch_chunks = res["torch"].get("step_s_per_chunk")
         fused_chunks = res["fused"].get("step_s_per_chunk")
-        row["torch/fused"] = t["torch"] / t["fused"]
+        both = t["torch"] is not None and t["fused"] is not None
+        row["torch/fused"] = t["torch"] / t["fused"] if both else None
         if torch_chunks and fused_chunks:
             lo, hi = median_ratio_ci(
                 torch_chunks, fused_chunks, paired=len(torch_chunks) == len(fused_chunks)

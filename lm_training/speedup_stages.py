@@ -289,7 +289,7 @@ def run_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run, trace_dir
         "tokens_per_s": cfg.tokens_per_step / median,
         "tokens_per_s_mean": cfg.tokens_per_step * len(step_s) / sum(step_s),
         "padding_fraction": 1 - cfg.tokens_per_step * len(slots) / sum(slots),
-        "peak_mem_gib": None if np.isnan(mem.gib) else mem.gib,
+        "peak_mem_gib": mem.gib,  # None on the CPU: not measured
         "loss_curve": curve,
         "final_loss": curve[-1],
         "breakdown": breakdown,

@@ -60,6 +60,7 @@ from effdl.gpt2_offload.steps import check_memory_caps, gpu_peak_gib, host_rss_g
 from effdl.models.gpt2 import SHAPES, gpt2_config
 from effdl.profiling.memory import use_expandable_segments
 from effdl.results import RunLog
+from effdl.tables import format_measured
 
 TASK = "gpt2"
 LOG = "gpt2_finetune_code.jsonl"
@@ -191,7 +192,8 @@ def print_comparison(data: CodeData, before: dict, after: dict, summary: dict) -
         f"{summary['heldout_loss_after']:.4f} nats/token over {data.heldout.numel():,} tokens "
         f"of {len(data.corpus.heldout)} held-out files; trained {summary['steps']} steps on "
         f"{len(data.corpus.train)} training files, {summary['seq_per_s_median']:.2f} seq/s, "
-        f"peak GPU {summary['peak_gib_max']:.3f} GiB, host {summary['host_rss_peak_gib']:.3f} GiB"
+        f"peak GPU {format_measured(summary['peak_gib_max'])} GiB, "
+        f"host {summary['host_rss_peak_gib']:.3f} GiB"
     )
 
 

@@ -33,6 +33,7 @@ from effdl.gpt2_offload.steps import (
 from effdl.models.gpt2 import SHAPES, count_params, gpt2_config
 from effdl.profiling.memory import use_expandable_segments
 from effdl.results import RunLog
+from effdl.tables import format_measured
 
 TASK = "gpt2"
 COLUMNS = ("step", "lr", "loss", "seq_per_s", "peak_gib", "host_rss_gib")
@@ -103,7 +104,8 @@ def main() -> None:
     rows, summary = run_torchao_peer(cfg, batches, run.device, run.log, args.seed, data)
     table = [{k: r[k] for k in COLUMNS} for r in rows]
     print_table(table, title=f"torchao CPUOffloadOptimizer on {run.where} ({data['data']})")
-    print(f"{summary['seq_per_s_median']:.2f} seq/s, peak {summary['peak_gib_max']:.3f} GiB")
+    peak = format_measured(summary["peak_gib_max"])
+    print(f"{summary['seq_per_s_median']:.2f} seq/s, peak {peak} GiB")
 
 
 if __name__ == "__main__":

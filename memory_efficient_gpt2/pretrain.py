@@ -85,8 +85,9 @@ from effdl.models.gpt2 import (
     save_gpt2_folder,
 )
 from effdl.optim import warmup_cosine_lr
-from effdl.profiling.timing import GIB
+from effdl.profiling.timing import GIB, largest_measured
 from effdl.results import RunLog
+from effdl.tables import format_measured
 
 TASK = "gpt2"
 LOG = "gpt2_pretrain.jsonl"
@@ -235,7 +236,8 @@ def train_step(
 ) -> dict:
     """One optimizer step at ``lr`` over ``batch`` in micro-batches (their gradients summed,
     each loss divided by their number), the global gradient norm clipped to ``grad_clip``;
-    returns loss, grad norm (before clipping), lr, step time, tokens/s, peak GPU GiB."""
+    returns loss, grad norm (before clipping), lr, step time, tokens/s, peak GPU GiB (None off
+    CUDA: not measured)."""
     t0 = time.perf_counter()
     cuda = device.type == "cuda"
     if cuda:
@@ -259,7 +261,7 @@ def train_step(
         "lr": lr,
         "step_s": wall,
         "tokens_per_s": cfg.batch * cfg.seq / wall,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else math.nan,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
     }
 
 
@@ -304,7 +306,7 @@ def pretrain(
 
 
 def summarize(
-    rows: list[dict], data: PretrainData, cfg: PretrainConfig, heldout: float, stopped: str
+    rows: list[dict], data: PretrainData, cfg: PretrainConfig, heldout: float | None, stopped: str
 ) -> dict:
     """The run in one record: steps done and why it stopped, tokens seen and passes over the
     windows, median speed past the first step, first/last loss (last: mean of the final tenth
@@ -319,13 +321,13 @@ def summarize(
         "tokens_trained": len(rows) * cfg.batch * cfg.seq,
         "passes": len(rows) * cfg.batch / len(data.windows),
         "tokens_per_s_median": timed[len(timed) // 2],
-        "peak_gib_max": max(r["peak_gib"] for r in rows),
+        "peak_gib_max": largest_measured(r["peak_gib"] for r in rows),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
         "loss_tail_mean": sum(tail) / len(tail),
         "heldout_loss": heldout,
-        "heldout_unigram_entropy": floors.get("unigram", math.nan),
-        "heldout_bigram_entropy": floors.get("bigram", math.nan),
+        "heldout_unigram_entropy": floors.get("unigram"),
+        "heldout_bigram_entropy": floors.get("bigram"),
     }
 
 
@@ -367,8 +369,9 @@ def main() -> None:
         f"{summary['steps']} steps ({summary['stopped_by']}), {summary['tokens_trained']:,} "
         f"tokens ({summary['passes']:.2f} passes) in {summary['train_s']:.0f} s; loss "
         f"{summary['loss_first']:.3f} -> {summary['loss_tail_mean']:.3f}; held-out head "
-        f"{heldout:.3f} (unigram {summary['heldout_unigram_entropy']:.3f}, bigram "
-        f"{summary['heldout_bigram_entropy']:.3f}); saved {save} (log: {run.log.path})"
+        f"{format_measured(heldout)} (unigram "
+        f"{format_measured(summary['heldout_unigram_entropy'])}, bigram "
+        f"{format_measured(summary['heldout_bigram_entropy'])}); saved {save} (log: {run.log.path})"
     )
 
 

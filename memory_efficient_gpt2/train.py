@@ -66,6 +66,7 @@ from effdl.models.gpt2 import gpt2_config
 from effdl.profiling.memory import use_expandable_segments
 from effdl.profiling.timing import GIB
 from effdl.results import RunLog
+from effdl.tables import format_measured
 
 TASK = "gpt2"
 TABLE_COLUMNS = ("step", "loss", "seq_per_s", "peak_gib", "host_rss_gib", "gpu_compute_s",
@@ -121,9 +122,10 @@ def print_offload(rows: list[dict], summary: dict, fixed_batch: bool, title: str
     print_table([{k: r[k] for k in TABLE_COLUMNS} for r in rows], title=title)
     state = [{**r, "gib": r["bytes"] / GIB} for r in summary["state"]]
     print_table(state, title="Training state: where it lives (computed)")
+    peak = format_measured(summary["peak_gib_max"])  # "-" off CUDA: not measured
     print(
-        f"GPU: peak {summary['peak_gib_max']:.3f} GiB measured, {summary['gpu_budget_gib']:.3f} "
-        f"GiB estimated; host: resident set peak {summary['host_rss_peak_gib']:.3f} GiB "
+        f"GPU: peak {peak} GiB measured, {summary['gpu_budget_gib']:.3f} GiB estimated;"
+        f" host: resident set peak {summary['host_rss_peak_gib']:.3f} GiB "
         f"measured, state {summary['host_budget_gib']:.3f} GiB computed"
     )
     if fixed_batch:

@@ -208,9 +208,10 @@ def stack_variant(
     return Variant(variant, build)
 
 
-def ratio(num: float | None, den: float | None) -> float:
-    if num is None or den is None or den != den or num != num or den == 0:
-        return float("nan")
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den``; None where either was not measured (None) or ``den`` is 0."""
+    if num is None or den is None or den == 0:
+        return None
     return num / den
 
 
@@ -219,7 +220,7 @@ def summary_row(shape: Shape, dtype_name: str, res: dict[str, dict], ceiling: fl
     mem = {v: m.get("peak_gib") for v, m in res.items()}
     level0 = res.get("level0", {})
     chunks = {v: m.get("step_s_per_chunk") for v, m in res.items()}
-    lo = hi = float("nan")
+    lo = hi = None  # no interval without both variants' chunks
     if chunks.get("level0") and chunks.get("reference"):
         # chunk i of each ran in round i: paired where both ran the same rounds
         paired = len(chunks["level0"]) == len(chunks["reference"])
@@ -310,22 +311,22 @@ def benchmark_shape(
 
 def experiment_rows(shape: Shape, dtype_name: str, res: dict[str, dict]) -> list[dict]:
     """One row per variant in the assignment's units: medians in seconds, peak memory in GB of
-    1024**3 bytes (as ``torch.cuda.max_memory_allocated() / 1024**3``; NaN off CUDA)."""
-    nan = float("nan")
+    1024**3 bytes (as ``torch.cuda.max_memory_allocated() / 1024**3``; None off CUDA). What a
+    variant did not measure (off CUDA, after an OOM) is None."""
     return [
         {
             **asdict(shape),
             "dtype": dtype_name,
             "variant": v,
             "checkpoint_level": int(LEVEL_VARIANTS[v]) if v in LEVEL_VARIANTS else None,
-            "forward_time, s": m.get("fwd_s_median", nan),
-            "backward_time, s": m.get("bwd_s_median", nan),
-            "step_time, s": m.get("step_s_median", nan),
-            "peak_memory, GB": m.get("peak_gib", nan),
+            "forward_time, s": m.get("fwd_s_median"),
+            "backward_time, s": m.get("bwd_s_median"),
+            "step_time, s": m.get("step_s_median"),
+            "peak_memory, GB": m.get("peak_gib"),
             "GEMMs/layer": m["gemms_per_layer"],
-            "TFLOP/s": m.get("tflops_executed", nan),
-            "floor, s": m.get("floor_s", nan),  # GEMMs at the ceiling + elementwise bytes
-            "floor/time": m.get("floor_frac", nan),
+            "TFLOP/s": m.get("tflops_executed"),
+            "floor, s": m.get("floor_s"),  # GEMMs at the ceiling + elementwise bytes
+            "floor/time": m.get("floor_frac"),
             "elementwise": m["elementwise"] + (" OOM" if m.get("oom") else ""),
         }
         for v, m in res.items()

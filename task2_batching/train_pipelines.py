@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -46,7 +45,12 @@ from effdl.models.gpt_like import (
     matmul_flops_per_token,
 )
 from effdl.models.lm_objective import LMInputs, lm_cross_entropy, lm_inputs, next_token_labels
-from effdl.profiling.timing import peak_memory, take_peak_memory
+from effdl.profiling.timing import (
+    largest_measured,
+    median_measured,
+    peak_memory,
+    take_peak_memory,
+)
 
 DTYPES = ["bf16", "tf32", "fp32"]
 MAX_EPOCHS = 100  # a token budget needing more passes over the corpus is refused
@@ -169,8 +173,8 @@ def train_on_budget(
             "slots": slots,
             "padding_fraction": 1 - real / slots,
             "real_tokens_per_s": real / total_s,
-            "peak_mem_gib": max(mem.gib, max(step_peaks)),
-            "step_peak_gib_median": float(np.median(step_peaks)),
+            "peak_mem_gib": largest_measured([mem.gib, *step_peaks]),  # None on the CPU
+            "step_peak_gib_median": median_measured(step_peaks),
             "final_loss": tail,
             "approx_tflops": flops / total_s / 1e12,
         }

@@ -18,21 +18,19 @@ stopped during validation keeps it. A training loss that turns non-finite is ref
 
 from __future__ import annotations
 
-import math
-
 import effdl.vit_pipeline as vp
 from effdl.cli import Interrupted, Run, print_table, require_converged, run_main, start_run
-from effdl.profiling.timing import TimingStats
+from effdl.profiling.timing import TimingStats, largest_measured
 
 LOG = "vit_pipeline.jsonl"
 TRAIN_LOG = "vit_train_epoch.jsonl"  # the training pass alone, written before validation
 
 
-def wait_over_step(phase: vp.PhaseResult) -> float:
+def wait_over_step(phase: vp.PhaseResult) -> float | None:
     """Host time waiting for batches / device time of the steps, after the first batch (whose
-    wait is the workers' start-up); NaN with a single batch."""
+    wait is the workers' start-up); None with a single batch (no step to measure)."""
     if len(phase.step_s) < 2:
-        return math.nan
+        return None
     return sum(phase.wait_s[1:]) / sum(phase.step_s[1:])
 
 
@@ -69,7 +67,7 @@ def epoch_metrics(cfg: vp.PipelineConfig, train: vp.PhaseResult, val: vp.PhaseRe
         "images_per_s": (train.n_images + val.n_images) / epoch_s,
         "n_train": train.n_images,
         "n_val": val.n_images,
-        "peak_mem_gib": max(train.peak_mem_gib, val.peak_mem_gib),
+        "peak_mem_gib": largest_measured([train.peak_mem_gib, val.peak_mem_gib]),
         **phase_metrics("train", train),
         **phase_metrics("val", val),
         **reported,

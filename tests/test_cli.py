@@ -24,6 +24,7 @@ from effdl.cli import (
     start_run,
 )
 from effdl.results import read_records
+from effdl.tables import format_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,6 +35,14 @@ def test_format_table_aligns_union_of_columns():
     assert lines[0].split() == ["a", "b", "c"]
     assert "0.1235" in lines[2]
     assert len({len(line) for line in lines}) == 1
+
+
+def test_a_value_not_measured_is_shown_as_a_dash_in_text_and_blank_in_a_table():
+    assert format_measured(1.23456) == "1.235" and format_measured(0.5, ".1%") == "50.0%"
+    assert format_measured(None) == "-"
+    assert format_measured(float("nan")) == "nan"  # a computed NaN is not hidden
+    lines = format_table([{"a": 1, "peak": None}, {"a": 2, "peak": 0.5}]).splitlines()
+    assert lines[2].split() == ["1"] and lines[3].split() == ["2", "0.5"]
 
 
 def test_require_path_names_flag_and_expectation(tmp_path):

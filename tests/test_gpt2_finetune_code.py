@@ -4,6 +4,8 @@ the summary), every trained row from a training file and every prompt from a hel
 start from pretrain.py --corpus docs, the refusal of weights pretrained on held-out code, level
 3 as the default preset, and bad flags refused in one line before anything is written."""
 
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -40,7 +42,8 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def quick_run(cache, tmp_path_factory):
-    """One --quick run from random init: its records and the batches it trained on."""
+    """One --quick run from random init: its records, the batches it trained on, and what it
+    printed."""
     out = tmp_path_factory.mktemp("finetune")
     trained = []
 
@@ -49,17 +52,19 @@ def quick_run(cache, tmp_path_factory):
         return train(run, cfg, batches, *args, **kwargs)
 
     train = finetune.train_offload
+    printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as e:
         mp.setattr(sys, "argv", ["finetune_code.py", "--quick", "--cache", str(cache), "--out",
                                  str(out)])  # fmt: skip
         mp.setattr(finetune, "train_offload", keep_batches)
-        run_main(finetune.main)
+        with contextlib.redirect_stdout(printed):
+            run_main(finetune.main)
     assert e.value.code == 0
-    return read_records(out / finetune.LOG), trained
+    return read_records(out / finetune.LOG), trained, printed.getvalue()
 
 
 def test_records_hold_the_loss_and_every_continuation_before_and_after(quick_run):
-    records, _ = quick_run
+    records, _, printed = quick_run
     variants = [r["variant"] for r in records]
     assert variants[:3] == ["corpus", "memory_budget", "heldout_loss"]
     assert variants[-1] == "finetune_summary"
@@ -77,6 +82,11 @@ def test_records_hold_the_loss_and_every_continuation_before_and_after(quick_run
     )  # fmt: skip
     assert summary["heldout_loss_after"] < summary["heldout_loss_before"]
     assert summary["steps"] == QUICK.steps
+    # a CPU run: peak GPU memory is not measured, logged as null and printed as "-"
+    assert summary["peak_gib_max"] is None
+    assert all(r["metrics"]["peak_gib"] is None for r in records if r["variant"] == "finetune")
+    (line,) = [x for x in printed.splitlines() if x.startswith("held-out code loss")]
+    assert "peak GPU - GiB" in line and "nan" not in line
     for phase in ("before", "after"):
         made = [r for r in records if r["variant"] == phase]
         pairs = {(r["metrics"]["prompt"], r["metrics"]["mode"]) for r in made}
@@ -88,7 +98,7 @@ def test_records_hold_the_loss_and_every_continuation_before_and_after(quick_run
 
 
 def test_no_held_out_file_is_trained_on(quick_run, cache):
-    records, trained = quick_run
+    records, trained, _ = quick_run
     corpus_record = records[0]["metrics"]
     train_files, heldout_files = corpus_record["train_files"], corpus_record["heldout_files"]
     assert heldout_files and not set(train_files) & set(heldout_files)

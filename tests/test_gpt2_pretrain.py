@@ -78,6 +78,8 @@ def test_loss_falls_and_every_step_is_logged(pretrained):
     assert summary["heldout_loss"] < summary["loss_first"] - 0.5
     assert records[-1]["config"]["data"].startswith("stdlib-py")
     assert records[-1]["config"]["bos_id"] == 1
+    # a CPU run: peak GPU memory is not measured, logged as null
+    assert all(m["peak_gib"] is None for m in steps) and summary["peak_gib_max"] is None
 
 
 def test_saved_folder_loads_in_train_py_to_the_trained_weights(pretrained):
@@ -148,6 +150,22 @@ def test_train_py_starts_from_the_pretrained_loss(pretrained, cache, tmp_path, m
     first = next(r for r in read_records(tmp_path / "gpt2.jsonl") if r["variant"] == "fixed_batch")
     summary = read_records(pretrained["out"] / pretrain.LOG)[-1]["metrics"]
     assert first["metrics"]["loss"] == pytest.approx(summary["heldout_loss"], abs=0.05)
+
+
+def test_no_held_out_head_leaves_its_figures_unmeasured(cache, tmp_path, monkeypatch, capsys):
+    """--skip-tokens 0 holds nothing out: the held-out loss and entropies are null in the
+    summary and printed as "-", not NaN."""
+    argv = ["--skip-tokens", "0", "--steps", "1", "--cache", str(cache), "--out", str(tmp_path),
+            "--save", str(tmp_path / "model")]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", "--quick", *argv])
+    with pytest.raises(SystemExit) as e:
+        run_main(pretrain.main)
+    assert e.value.code == 0
+    printed = capsys.readouterr().out
+    summary = read_records(tmp_path / pretrain.LOG)[-1]["metrics"]
+    assert summary["heldout_loss"] is None and summary["peak_gib_max"] is None
+    assert summary["heldout_unigram_entropy"] is None and summary["heldout_bigram_entropy"] is None
+    assert "held-out head - (unigram -, bigram -)" in printed and "nan" not in printed
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ given beside them (effdl.gpt2_offload.config) and named in the records, level 3'
 within its cap (effdl.gpt2_offload.budget), the host and GPU memory caps failing loudly before a
 record, the summary's budget beside the measured peaks, and --baseline's speed ratios."""
 
+import re
 import sys
 
 import pytest
@@ -261,7 +262,7 @@ def test_host_cap_below_the_resident_set_fails_loudly_before_any_record(
 def test_caps_are_checked_against_the_measured_peaks():
     cfg = TrainConfig(memory_cap_gib=11.0, host_memory_cap_gib=16.0)
     check_memory_caps(cfg, "step 3", 10.9, 15.9)
-    check_memory_caps(cfg, "step 3", float("nan"), 15.9)  # no GPU: nothing to check
+    check_memory_caps(cfg, "step 3", None, 15.9)  # no GPU: nothing to check
     with pytest.raises(MemoryCapExceeded, match=r"step 3: peak GPU memory 11\.200 GiB"):
         check_memory_caps(cfg, "step 3", 11.2, 1.0)
     with pytest.raises(MemoryCapExceeded, match=r"16\.500 GiB exceeds --host-memory-cap-gib"):
@@ -270,8 +271,11 @@ def test_caps_are_checked_against_the_measured_peaks():
 
 def test_int8_run_records_the_budget_beside_the_measured_peaks(tmp_path, monkeypatch, capsys):
     argv = ["--moments", "int8", "--steps", "2", "--host-memory-cap-gib", "64"]
-    code, _ = run_train(argv, tmp_path, monkeypatch, capsys)
-    assert code == 0
+    monkeypatch.setattr(sys, "argv", ["train.py", "--quick", *argv, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        run_main(train.main)
+    assert e.value.code == 0
+    printed = capsys.readouterr().out
     records = read_records(tmp_path / "gpt2.jsonl")
     assert [r["variant"] for r in records] == [
         "memory_budget",
@@ -294,6 +298,12 @@ def test_int8_run_records_the_budget_beside_the_measured_peaks(tmp_path, monkeyp
     assert summary["host_budget_gib"] == budget["host_total_gib"]
     assert summary["state"] == budget["state"]
     assert summary["step_s_median"] == steps[1]["metrics"]["step_s"]
+    # no GPU: its peak, static memory and activation bytes are not measured, logged as null
+    assert budget["measured_static_gib"] is None
+    assert budget["measured_act_bytes_per_token_layer"] is None
+    assert all(s["metrics"]["peak_gib"] is None for s in steps)
+    assert summary["peak_gib_max"] is None
+    assert "GPU: peak - GiB measured" in printed and not re.search(r"\bnan\b", printed)
 
 
 def test_bf16_accumulator_run_records_its_dtype_and_bytes(tmp_path, monkeypatch, capsys):

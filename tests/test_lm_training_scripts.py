@@ -20,6 +20,7 @@ from effdl.lm.processes import Dist
 from effdl.lm.throughput import CEILINGS, PendingSteps, Rates, measured_bf16_ceiling
 from effdl.results import read_records
 from tests.interrupting import interrupt_after, whole_records
+from tests.log_values import non_finite
 from tests.script_loading import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,7 +141,7 @@ def quick_args(cache: Path, out: Path, *extra: str) -> list[str]:
     return ["--quick", "--cache", str(cache), "--out", str(out), *extra]
 
 
-def test_quick_run_writes_sane_records(cache, tmp_path):
+def test_quick_run_writes_sane_records(cache, tmp_path, capsys):
     train.main(quick_args(cache, tmp_path, "--steps", "4", "--eval-every", "2", "--log-every", "3"))
     records = read_records(tmp_path / train.LOG)
     variant = "tiny-s128-b4x1-fp32-iterable"
@@ -164,6 +165,9 @@ def test_quick_run_writes_sane_records(cache, tmp_path):
     summary = records[-1]["metrics"]
     assert summary["timed_steps"] == 2 and summary["final_loss"] == steps[-1]["loss"]
     assert records[0]["metrics"]["unigram_entropy_nats"] < math.log(512)
+    # no allocator statistics on the CPU: peak memory is not measured, logged as null
+    assert all(m["peak_gib"] is None for m in steps) and summary["peak_gib"] is None
+    assert "nan" not in capsys.readouterr().out
 
 
 def test_bf16_parameters_with_fp32_masters_train_like_autocast(cache, tmp_path):
@@ -455,6 +459,7 @@ def test_layer_norm_benchmark_quick_logs_every_shape_and_refuses_bad_flags(tmp_p
     assert variants.count("torch") == len(cases)
     for r in records:  # the floor moves no LayerNorm bytes: no bandwidth is claimed for it
         assert ("frac_copy" in r["metrics"]) == (r["variant"] in ("torch", "fused")), r["variant"]
+        assert not non_finite(r["metrics"]), r["variant"]
     for argv, flag in ((["--shapes", "12x"], "--shapes"), (["--variants", "foo"], "--variants")):
         bad = subprocess.run([sys.executable, script, "--quick", *argv, "--out", str(tmp_path)],
                              capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip

@@ -6,6 +6,7 @@ import pytest
 
 from effdl.cli import run_main
 from effdl.results import read_records
+from tests.log_values import non_finite
 from tests.script_loading import load_script
 
 benchmark = load_script("swiglu_checkpoint", "benchmark")
@@ -87,3 +88,10 @@ def test_run_experiments_logs_counted_gemms_and_returns_the_assignment_units(tmp
         metrics = records[variant]["metrics"]
         assert metrics["gemms_per_layer"] == gemms
         assert metrics["gemm_flops"] == gemms * unit
+        assert metrics["peak_gib"] is None  # no allocator statistics on the CPU: not measured
+    assert table["peak_memory, GB"].isna().all()
+    (summary,) = [r["metrics"] for r in records.values() if r["variant"] == "summary"]
+    assert summary["l0/ref mem"] is None and summary["l1/ckpt mem"] is None
+    assert summary["l0/ref time"] > 0
+    for r in records.values():
+        assert not non_finite(r["metrics"]), r["variant"]

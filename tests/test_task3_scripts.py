@@ -21,6 +21,7 @@ from effdl.data.clothing import (
 from effdl.results import read_records
 from effdl.vit_pipeline.profiling import agreement
 from tests.interrupting import whole_records
+from tests.log_values import non_finite
 from tests.script_loading import load_script as load_task_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +102,7 @@ def test_augmix_moves_from_the_train_transforms_to_the_device():
 
 
 def phase(losses, accuracies, sizes, wait_s, step_s, wall_s=2.0):
-    return vp.PhaseResult(losses, accuracies, sizes, wait_s, step_s, wall_s, float("nan"))
+    return vp.PhaseResult(losses, accuracies, sizes, wait_s, step_s, wall_s, None)
 
 
 def test_metrics_against_hand_computed_values():
@@ -112,6 +113,7 @@ def test_metrics_against_hand_computed_values():
     assert given["images"] == 20 and given["images_per_s"] == pytest.approx(20 / 7.0)
     assert given["train_loss"] == pytest.approx((8 + 4 + 4 + 1) / 14)
     assert given["train_wait_over_step"] == pytest.approx(0.4 / 1.4)  # the first wait left out
+    assert given["peak_mem_gib"] is None  # neither pass measured it (the CPU)
     assert given["val_loss"] == pytest.approx((4 + 6) / 6)
     assert given["val_accuracy"] == pytest.approx((2 + 2) / 6)
     # as given: sums of batch means over the 4 training batches
@@ -159,8 +161,12 @@ def test_quick_epoch_writes_one_record(pipeline, tmp_path, data_cache):
     assert m["epoch_s"] == pytest.approx(m["train_s"] + m["val_s"])
     assert m["train_step_s_n"] == 1 and m["train_wait_s"] > 0 and m["train_step_s"] > 0
     assert 0 <= m["val_accuracy"] <= 1 and m["val_loss"] > 0
-    assert m["peak_mem_gib"] == "nan"  # no allocator statistics on the CPU
-    assert f"{pipeline}  " in res.stdout.split("One epoch on")[1]
+    # no allocator statistics on the CPU, one batch per pass: not measured, logged as null
+    assert m["peak_mem_gib"] is None and m["train_peak_mem_gib"] is None
+    assert m["train_wait_over_step"] is None and m["val_wait_over_step"] is None
+    assert not non_finite(m)
+    table = res.stdout.split("One epoch on")[1]
+    assert f"{pipeline}  " in table and "nan" not in table
     (before_validation,) = read_records(tmp_path / "vit_train_epoch.jsonl")
     assert before_validation["config"] == config
     assert before_validation["metrics"] == {

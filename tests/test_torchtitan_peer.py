@@ -41,3 +41,4 @@ def test_two_cpu_ranks_log_every_step(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "torchtitan_peer.jsonl").open()]
     assert [r["variant"] for r in records] == ["torchtitan_step"] * 4 + ["torchtitan_summary"]
     assert records[-1]["metrics"]["tokens_per_s_per_gpu"] > 0
+    assert all(r["metrics"]["peak_gib"] is None for r in records[:-1])  # the CPU: not measured

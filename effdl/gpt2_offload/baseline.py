@@ -13,7 +13,6 @@ out of GPU memory is shown as OOM and not logged.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,13 +137,13 @@ def run_baseline(
         for mb in cfg.micro_batches:
             metrics = time_fwd_bwd(model, loss_of, cfg, mb, device)
             if metrics is None:
-                found.append({"micro_batch": mb, "seq_per_s": float("nan"), "note": "OOM"})
+                found.append({"micro_batch": mb, "seq_per_s": None, "note": "OOM"})
                 continue
             config = {"size": cfg.size, "seq": cfg.seq, "micro_batch": mb, "amp": amp,
                       "weights": weights}  # fmt: skip
             log.log(variant, config, metrics)
             found.append({k: metrics[k] for k in COLUMNS})
-        ok = [r for r in found if not math.isnan(r["seq_per_s"])]
+        ok = [r for r in found if r["seq_per_s"] is not None]
         if not ok:
             raise RuntimeError(f"{variant}: every micro-batch size ran out of memory")
         bests[variant] = max(ok, key=lambda r: r["seq_per_s"])

@@ -6,8 +6,6 @@ can hold the run at all (:func:`require_run_fits`), made before anything is allo
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from effdl.cli import UsageError, require_memory
@@ -141,7 +139,7 @@ def budget_metrics(
     n_params: int,
     ckpt: int,
     plan: OffloadPlan,
-    measured: dict[str, float],
+    measured: dict[str, float | None],
     act_bytes: float | None,
 ) -> dict:
     """The ``memory_budget`` record's metrics: the GPU estimate (:func:`gpu_estimate`) and the
@@ -155,6 +153,6 @@ def budget_metrics(
         "host_total_gib": plan.bytes_on("host") / GIB,
         "state": plan.records(),
         **measured,
-        "measured_act_bytes_per_token_layer": act_bytes if act_bytes else math.nan,
+        "measured_act_bytes_per_token_layer": act_bytes,  # None off CUDA: not measured
         "estimated_act_bytes_per_token_layer": ACT_BYTES_PER_TOKEN_LAYER * SHAPES[cfg.size].n_embd,
     }

@@ -5,7 +5,6 @@ rows, and the model's continuations of fixed prompts, greedy and sampled from a 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,11 +32,11 @@ def heldout_loss(
     micro_batch: int,
     chunk_tokens: int,
     device: torch.device,
-) -> float:
-    """Mean next-token loss over ``rows`` ((n, seq) token ids; ``nan`` for none), in
-    micro-batches, in eval mode (the model's mode is restored after)."""
+) -> float | None:
+    """Mean next-token loss over ``rows`` ((n, seq) token ids; None for none: nothing was
+    measured), in micro-batches, in eval mode (the model's mode is restored after)."""
     if len(rows) == 0:
-        return math.nan
+        return None
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)

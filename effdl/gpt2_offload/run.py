@@ -9,7 +9,6 @@ and after, say) runs on the model as trained: bf16 working weights on the device
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -153,7 +152,7 @@ def start_offload(
     n_params = count_params(model)
     opt, plan = build_optimizer(model, cfg, device, threads)
     model.to(device)  # buffers; parameters are already bf16 working copies on the device
-    static_gib = torch.cuda.memory_allocated(device) / GIB if cuda else math.nan
+    static_gib = torch.cuda.memory_allocated(device) / GIB if cuda else None
     act_bytes = measure_activation_bytes(model, opt, device, cfg) if cuda else None
     rss_peak = host_rss_gib()
     check_memory_caps(cfg, "after set-up", gpu_peak_gib(device), rss_peak)

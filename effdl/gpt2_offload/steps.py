@@ -4,7 +4,6 @@ summary every run logs."""
 
 from __future__ import annotations
 
-import math
 import resource
 import sys
 import time
@@ -17,7 +16,7 @@ from tqdm import tqdm
 from effdl.gpt2_offload.config import TrainConfig
 from effdl.gpt2_offload.inputs import lr_at, set_lr
 from effdl.models.gpt2 import backward_micro_batches
-from effdl.profiling.timing import GIB
+from effdl.profiling.timing import GIB, largest_measured
 from effdl.results import RunLog
 
 
@@ -33,9 +32,9 @@ def set_memory_cap(device: torch.device, cap_gib: float) -> float:
     return frac
 
 
-def gpu_peak_gib(device: torch.device) -> float:
-    """``torch.cuda.max_memory_allocated`` in GiB (``nan`` off CUDA)."""
-    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else math.nan
+def gpu_peak_gib(device: torch.device) -> float | None:
+    """``torch.cuda.max_memory_allocated`` in GiB (None off CUDA: not measured)."""
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
 
 
 def host_rss_gib() -> float:
@@ -51,10 +50,10 @@ def host_rss_high_water_gib() -> float:
     return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB  # bytes vs KiB
 
 
-def check_memory_caps(cfg: TrainConfig, when: str, peak_gib: float, rss_gib: float) -> None:
+def check_memory_caps(cfg: TrainConfig, when: str, peak_gib: float | None, rss_gib: float) -> None:
     """Raise :class:`MemoryCapExceeded` naming the cap and the measurement if GPU peak
-    (``nan`` off CUDA) or host resident set passed its cap."""
-    if peak_gib > cfg.memory_cap_gib:
+    (None off CUDA: nothing to check) or host resident set passed its cap."""
+    if peak_gib is not None and peak_gib > cfg.memory_cap_gib:
         raise MemoryCapExceeded(
             f"{when}: peak GPU memory {peak_gib:.3f} GiB (torch.cuda.max_memory_allocated) "
             f"exceeds --memory-cap-gib {cfg.memory_cap_gib}"
@@ -143,7 +142,7 @@ def median(values: list[float]) -> float:
 
 def speed_summary(rows: list[dict], fixed_batch: bool) -> dict:
     """What every run's summary holds: median speed and step time past the first step (it pays
-    the warm-up), peak GPU memory and host resident set, loss drop."""
+    the warm-up), peak GPU memory (None off CUDA) and host resident set, loss drop."""
     timed = rows[1:] or rows
     first, last = rows[0]["loss"], rows[-1]["loss"]
     rss_peak = max(r["host_rss_gib"] for r in rows)
@@ -151,7 +150,7 @@ def speed_summary(rows: list[dict], fixed_batch: bool) -> dict:
         "steps": len(rows),
         "seq_per_s_median": median([r["seq_per_s"] for r in timed]),
         "step_s_median": median([r["step_s"] for r in timed]),
-        "peak_gib_max": max(r["peak_gib"] for r in rows),
+        "peak_gib_max": largest_measured(r["peak_gib"] for r in rows),
         "host_rss_peak_gib": rss_peak,
         "host_rss_high_water_gib": max(host_rss_high_water_gib(), rss_peak),
         "loss_first": first,

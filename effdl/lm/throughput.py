@@ -3,7 +3,6 @@ against the datasheet bf16 peak and the bf16 GEMM ceiling measured on the same G
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,11 +60,12 @@ class Rates:
 
 def summarize(rows: list[dict], skip: int) -> dict:
     """Medians of the throughput metrics (:data:`SUMMARY`) past the first ``skip`` steps, the
-    largest peak memory, and the last step's loss."""
+    largest peak memory, and the last step's loss; None for a metric no step measured (peak
+    memory on the CPU, MFU without a known peak)."""
     timed = rows[skip:]
     out = {"timed_steps": len(timed)}
     for key in SUMMARY:
-        values = [r[key] for r in timed if r[key] is not None and not math.isnan(r[key])]
+        values = [r[key] for r in timed if r[key] is not None]
         out[key] = (
             (max(values) if key == "peak_gib" else statistics.median(values)) if values else None
         )

@@ -30,7 +30,7 @@ class EpochTiming:
     ``widths``: each batch's padded width. Host split of ``epoch_s``: ``first_batch_s`` (until
     the first batch arrives, worker start-up included), ``wait_s`` (later waits for the
     DataLoader), ``launch_s`` (host time to move each batch and queue its forward).
-    ``peak_mem_gib``: the pass's own peak GPU memory (NaN on CPU).
+    ``peak_mem_gib``: the pass's own peak GPU memory (None on CPU: not measured).
     """
 
     batch_s: list[float]
@@ -38,7 +38,7 @@ class EpochTiming:
     real_tokens: int
     slots: int
     widths: list[int]
-    peak_mem_gib: float
+    peak_mem_gib: float | None
     first_batch_s: float
     wait_s: float
     launch_s: float

@@ -147,7 +147,8 @@ class VariantResult:
     def metrics(self) -> dict:
         """Medians and spreads of the times, the peak memory; ``{"oom": True}`` after an OOM.
 
-        Memory entries are NaN off CUDA: PyTorch keeps no allocator statistics on the CPU.
+        Memory entries are None off CUDA (not measured): PyTorch keeps no allocator statistics
+        on the CPU.
         """
         if self.oom:
             return {"oom": True}
@@ -169,8 +170,7 @@ class VariantResult:
                 activation_peak_gib=(peak - self.base) / GIB,
             )
         else:
-            nan = float("nan")
-            metrics.update(peak_gib=nan, base_gib=nan, activation_peak_gib=nan)
+            metrics.update(peak_gib=None, base_gib=None, activation_peak_gib=None)
         return metrics
 
 

@@ -13,7 +13,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -230,9 +230,10 @@ def benchmark(
 
 @dataclass
 class PeakMemory:
-    """Filled in by :func:`peak_memory`: ``start_bytes`` on entry, the peak when the region ends."""
+    """Filled in by :func:`peak_memory`: ``start_bytes`` on entry, the peak when the region ends
+    (``gib`` stays None where nothing was measured)."""
 
-    gib: float = float("nan")
+    gib: float | None = None
     bytes: int = 0
     start_bytes: int = 0
 
@@ -270,10 +271,10 @@ def peak_memory(
 
     On CUDA: resets the peak counter on entry and reads ``max_memory_allocated`` on exit, so the
     number is the region's own peak (including tensors that were alive when it started);
-    ``start_bytes`` is ``memory_allocated`` on entry. On CPU the result stays NaN (PyTorch keeps
-    no allocator statistics there) unless ``cpu_rss``: then it is this process's peak RSS,
-    sampled every ``rss_interval`` seconds by a thread (a peak shorter than that can be missed),
-    and ``start_bytes`` the RSS on entry.
+    ``start_bytes`` is ``memory_allocated`` on entry. On CPU ``gib`` stays None, not measured
+    (PyTorch keeps no allocator statistics there), unless ``cpu_rss``: then it is this process's
+    peak RSS, sampled every ``rss_interval`` seconds by a thread (a peak shorter than that can be
+    missed), and ``start_bytes`` the RSS on entry.
     """
     dev = torch.device(device)
     result = PeakMemory()
@@ -297,13 +298,25 @@ def peak_memory(
             result.gib = result.bytes / GIB
 
 
-def take_peak_memory(device: str | torch.device) -> float:
+def take_peak_memory(device: str | torch.device) -> float | None:
     """Peak GiB allocated since the counter was last reset, then reset it: one step's own peak
     when called after every step. The caching allocator decides on the host, in stream order,
-    so this needs no synchronize. NaN on CPU."""
+    so this needs no synchronize. None on CPU: not measured (no allocator statistics there)."""
     dev = torch.device(device)
     if dev.type != "cuda":
-        return float("nan")
+        return None
     peak = torch.cuda.max_memory_allocated(dev) / GIB
     torch.cuda.reset_peak_memory_stats(dev)
     return peak
+
+
+def largest_measured(values: Iterable[float | None]) -> float | None:
+    """The largest of ``values`` that were measured (not None); None if none was."""
+    measured = [v for v in values if v is not None]
+    return max(measured) if measured else None
+
+
+def median_measured(values: Iterable[float | None]) -> float | None:
+    """The median of ``values`` that were measured (not None); None if none was."""
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None

@@ -114,7 +114,7 @@ class BatchStats:
 class PhaseResult:
     """One pass (train or validation): per-batch means and sizes, host wait for each batch
     (``wait_s``, the first one includes worker start-up), device time of each step
-    (``step_s``), wall time and peak GPU memory (NaN on the CPU)."""
+    (``step_s``), wall time and peak GPU memory (None on the CPU: not measured)."""
 
     losses: list[float]
     accuracies: list[float]
@@ -122,7 +122,7 @@ class PhaseResult:
     wait_s: list[float]
     step_s: list[float]
     wall_s: float
-    peak_mem_gib: float
+    peak_mem_gib: float | None
 
     @property
     def n_images(self) -> int:

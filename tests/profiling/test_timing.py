@@ -16,8 +16,11 @@ from effdl.profiling.timing import (
     RegionTimer,
     TimingStats,
     benchmark,
+    largest_measured,
+    median_measured,
     median_ratio_ci,
     peak_memory,
+    take_peak_memory,
 )
 
 
@@ -81,10 +84,19 @@ def test_region_timer_cpu_and_misuse(monkeypatch):
         t.start()
 
 
-def test_peak_memory_is_nan_on_cpu():
+def test_peak_memory_is_not_measured_on_cpu():
+    """No allocator statistics on the CPU: None (null in a log), not NaN."""
     with peak_memory("cpu") as mem:
         torch.ones(10)
-    assert math.isnan(mem.gib)
+    assert mem.gib is None and mem.bytes == 0
+    assert take_peak_memory("cpu") is None
+
+
+def test_largest_and_median_of_what_was_measured():
+    assert largest_measured([None, 1.5, None, 0.5]) == 1.5
+    assert median_measured([None, 3.0, 1.0, 2.0]) == 2.0
+    assert largest_measured([None, None]) is None and median_measured([]) is None
+    assert math.isnan(median_measured([math.nan]))  # a NaN that was computed stays NaN
 
 
 RSS_PROBE = """
