@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from effdl.cli import run_main
-from effdl.data.stand_in import NOT_PUBLISHED, stand_in_table
+from effdl.data.stand_in import NOT_PUBLISHED, UNITS, stand_in_table
 from effdl.results import RunLog, load_results, read_records
 from tests.script_loading import ROOT, load_script
 
@@ -30,7 +30,7 @@ def test_quick_run_writes_the_three_logs(script, tmp_path, monkeypatch):
         for r in records:
             assert set(r["metrics"]) == {"measured", "published"}
             assert r["metrics"]["published"] is not None or r["config"]["published_note"]
-            assert r["config"]["unit"] in ("count", "tokens", "px", "share", "megapixels")
+            assert r["config"]["unit"] in UNITS
         sources[task] = {r["config"]["source"] for r in records}
     assert sources == {
         "task1": {"synthetic:40", "synthetic(n=2500, seed=0)"},

@@ -60,7 +60,7 @@ def vit_sizes(quick: bool) -> tuple[int, int, int]:
 
 FULL = Sizes(images.SyntheticCarvanaConfig(n_images=5088), 256, 30_000, 200_000, 256, False,
              640, vit_sizes(False))  # fmt: skip
-QUICK = Sizes(images.SyntheticCarvanaConfig(n_images=40), 64, 2_500, 20_000, 64, True, 640,
+QUICK = Sizes(images.SyntheticCarvanaConfig(n_images=40), 64, 2_500, 20_000, 64, True, 128,
               vit_sizes(True))  # fmt: skip
 
 

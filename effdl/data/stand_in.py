@@ -24,12 +24,31 @@ def _format(value: float | None, unit: str) -> str:
     return f"{value:,.2f}" if unit == "megapixels" else f"{value:,.1f}"
 
 
-def stand_in_table(records: pd.DataFrame) -> pd.DataFrame:
-    """Measured against published, one row per statistic, from flattened records
-    (:func:`effdl.results.load_results`) of one data set; only the newest run is shown
-    (``env.run_id``). Columns: measured, published, measured / published, published figure."""
+def newest_run(records: pd.DataFrame) -> pd.DataFrame:
+    """The records of the newest run (``env.run_id``) among flattened records
+    (:func:`effdl.results.load_results`)."""
     newest = records.sort_values("env.time")["env.run_id"].iloc[-1]
-    rows = records[records["env.run_id"] == newest]
+    return records[records["env.run_id"] == newest]
+
+
+def stand_in_values(records: pd.DataFrame) -> pd.DataFrame:
+    """``measured`` and ``published`` of the newest run, indexed by the statistic's key (the
+    variant after ``<data set>/``)."""
+    rows = newest_run(records)
+    return pd.DataFrame(
+        {
+            "measured": pd.to_numeric(rows["metrics.measured"]).to_numpy(),
+            "published": pd.to_numeric(rows["metrics.published"], errors="coerce").to_numpy(),
+        },
+        index=pd.Index(rows["variant"].str.partition("/")[2], name="key"),
+    )
+
+
+def stand_in_table(records: pd.DataFrame) -> pd.DataFrame:
+    """Measured against published, one row per statistic, from flattened records of one data
+    set; only the newest run is shown. Columns: the stand-in's value, the real set's, their
+    ratio, and where the real figure comes from (or that it is not published)."""
+    rows = newest_run(records)
     measured = rows["metrics.measured"].astype(float)
     published = pd.to_numeric(rows["metrics.published"], errors="coerce")
     units = rows["config.unit"]
