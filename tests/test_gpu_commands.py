@@ -250,6 +250,15 @@ def test_refuses_to_run_without_a_gpu(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+def test_lanes_get_equal_disjoint_shares_of_the_cpus(monkeypatch):
+    monkeypatch.setattr(check.os, "sched_getaffinity", lambda pid: set(range(2, 18)))
+    shares = check.lane_cpus(4)
+    assert [len(s) for s in shares] == [4, 4, 4, 4]
+    assert set().union(*shares) == set(range(2, 18)) and sum(map(len, shares)) == 16
+    monkeypatch.setattr(check.os, "sched_getaffinity", lambda pid: {0})
+    assert check.lane_cpus(2) == [{0}, {0}]  # fewer CPUs than lanes: they share
+
+
 def test_records_carry_the_outcome(tmp_path):
     log = RunLog(tmp_path / "gpu_check.jsonl", task="gpu_check")
     outcome = check.Outcome("x", "ok", 0, 1.5, 123.0, "tokens/s")
@@ -290,7 +299,8 @@ begin = time.time()
 time.sleep(0.5 if name == "writer" else 0.3)
 out.mkdir(parents=True)
 device = os.environ.get("CUDA_VISIBLE_DEVICES", "-")
-(out / "done").write_text(f"{device} {begin} {time.time()}")
+cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+(out / "done").write_text(f"{device} {begin} {time.time()} {cpus}")
 """
 
 
@@ -326,16 +336,20 @@ def test_commands_share_a_gpu_and_an_exclusive_one_runs_alone(tmp_path, monkeypa
     monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 1)
     assert check.main(["--out", str(tmp_path / "acceptance"), "--per-gpu", "2"]) == 0
     (run_dir,) = (tmp_path / "acceptance").glob("2*")
-    spans = {}
+    spans, cpus = {}, {}
     for c in listed:
-        _, begin, end = (run_dir / c.name / "done").read_text().split()
-        spans[c.name] = (float(begin), float(end))
+        _, begin, end, on = (run_dir / c.name / "done").read_text().split()
+        spans[c.name], cpus[c.name] = (float(begin), float(end)), set(on.split(","))
 
     def overlap(x: str, y: str) -> bool:
         return spans[x][0] < spans[y][1] and spans[y][0] < spans[x][1]
 
     others = [n for n in spans if n != "big"]
     assert not any(overlap("big", n) for n in others)  # the exclusive one had the GPU alone
-    assert any(overlap(x, y) for x in others for y in others if x < y)  # the others shared it
+    pairs = [(x, y) for x in others for y in others if x < y and overlap(x, y)]
+    assert pairs  # the others shared it
+    if len(check.os.sched_getaffinity(0)) >= 2:  # side by side, on CPUs of their own
+        assert all(not cpus[x] & cpus[y] for x, y in pairs)
+    assert cpus["big"] == set().union(*cpus.values())  # the exclusive one: both shares
     for t in spans.values():  # never more than two at once
         assert sum(s[0] <= t[0] < s[1] for s in spans.values()) <= 2

@@ -9,7 +9,7 @@ well above its usual time; a command is skipped, not started, when less than hal
 left of ``--budget-s``, when its GPUs are missing, an optional module is
 absent or the command it reads from did not pass. The several-GPU commands run first, one at a
 time; then the one-GPU commands run in lanes, ``--per-gpu`` of them on each GPU
-(``CUDA_VISIBLE_DEVICES`` set to it, a data cache of its own), a command waiting for the one it
+(``CUDA_VISIBLE_DEVICES`` set to it, a data cache and an equal share of the CPUs of its own), a command waiting for the one it
 reads from and an ``exclusive`` one for a GPU of its own. Commands sharing a GPU slow each other:
 their figures say that the command runs, the reports' figures come from full runs alone. ``--with-tests`` then runs the GPU tests, under
 a limit of their own. Exit code 1 if any command failed or timed out.
@@ -138,9 +138,14 @@ def kill(pid: int, sig: int, group: bool = False) -> None:
 
 
 def run_process(
-    argv: list[str], limit_s: float, log: Path, env: dict[str, str] | None = None
+    argv: list[str],
+    limit_s: float,
+    log: Path,
+    env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> tuple[int | None, float]:
-    """Run ``argv`` in a process group of its own, output to ``log``; (exit code or None on
+    """Run ``argv`` in a process group of its own, output to ``log``, on ``cpus`` (all when
+    None: its threads and workers start after the pin and inherit it); (exit code or None on
     timeout, seconds). On a timeout the group gets SIGTERM, then it and every process the
     command started (torchrun puts its ranks in sessions of their own) SIGKILL; after any end,
     what is left of the group (loader workers) goes too."""
@@ -148,6 +153,8 @@ def run_process(
     with log.open("w", encoding="utf-8") as f:
         proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(env), stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        if cpus:
+            os.sched_setaffinity(proc.pid, cpus)
         try:
             code = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
@@ -192,11 +199,15 @@ def skip_reason(c: GpuCommand, gpus: int, left_s: float, done: dict[str, Outcome
 
 
 def run_command(
-    c: GpuCommand, run_dir: Path, cache: Path, env: dict[str, str] | None = None
+    c: GpuCommand,
+    run_dir: Path,
+    cache: Path,
+    env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> Outcome:
     out = run_dir / c.name
     argv = argv_of(c.check, {"out": out, "run": run_dir, "cache": cache})
-    code, seconds = run_process(argv, c.limit_s, run_dir / f"{c.name}.log", env)
+    code, seconds = run_process(argv, c.limit_s, run_dir / f"{c.name}.log", env, cpus)
     status = "timeout" if code is None else "ok" if code == 0 else "failed"
     outcome = Outcome(c.name, status, code, seconds)
     if c.headline is not None and out.is_dir():
@@ -257,6 +268,15 @@ def lane_devices(gpus: int) -> list[str]:
     return names[:gpus]
 
 
+def lane_cpus(lanes: int) -> list[set[int]]:
+    """This process's CPUs cut into ``lanes`` equal shares: commands running side by side each
+    size their thread pools and loader workers to their own share instead of all oversubscribing
+    the host."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // lanes)
+    return [set(cpus[i * share : (i + 1) * share] or cpus) for i in range(lanes)]
+
+
 def default_per_gpu(gpus: int) -> int:
     """2 when every GPU holds two short forms at once, else 1."""
     smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
@@ -278,7 +298,9 @@ def run_in_lanes(commands: list[GpuCommand], gpus: int, args: argparse.Namespace
     pending, running = list(commands), {}  # running: Future -> (command, device, its lanes)
     per_gpu = args.per_gpu or default_per_gpu(gpus)
     free = {d: list(range(per_gpu)) for d in lane_devices(gpus)}  # device -> its free lanes
-    print(f"{per_gpu} command(s) at once on each GPU", flush=True)
+    shares = lane_cpus(gpus * per_gpu)
+    cpus_of = {(d, n): shares[i * per_gpu + n] for i, d in enumerate(free) for n in free[d]}
+    print(f"{per_gpu} command(s) at once on each GPU, {len(shares[0])} CPUs each", flush=True)
     with ThreadPoolExecutor(max_workers=gpus * per_gpu) as pool:
         while pending or running:
             busy = {c.name for c, _, _ in running.values()} | {c.name for c in pending}
@@ -297,7 +319,8 @@ def run_in_lanes(commands: list[GpuCommand], gpus: int, args: argparse.Namespace
                 free[device] = [n for n in free[device] if n not in lanes]
                 env = {"CUDA_VISIBLE_DEVICES": device} if gpus > 1 else None
                 cache = args.out / "cache" / f"lane{device}.{lanes[0]}"  # its own while it runs
-                future: Future = pool.submit(run_command, c, run_dir, cache, env)
+                cpus = set().union(*(cpus_of[device, n] for n in lanes))
+                future: Future = pool.submit(run_command, c, run_dir, cache, env, cpus)
                 running[future] = (c, device, lanes)
             if not running:
                 continue
@@ -307,7 +330,8 @@ def run_in_lanes(commands: list[GpuCommand], gpus: int, args: argparse.Namespace
                 done[c.name] = future.result()
                 report(done[c.name], run_dir)
                 config = {**command_config(c), "gpus": gpus, "device": device,
-                          "commands_on_gpu": 1 if c.exclusive else per_gpu}  # fmt: skip
+                          "commands_on_gpu": 1 if c.exclusive else per_gpu,
+                          "cpus": len(set().union(*(cpus_of[device, n] for n in lanes)))}  # fmt: skip
                 record(log, done[c.name], config)
 
 

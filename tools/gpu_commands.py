@@ -125,7 +125,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task1_loss_scaling/train_unet.py --device cuda --seeds 3 --out runs/task1",
         "python3 task1_loss_scaling/train_unet.py --device cuda --seeds 1 --n-images 96 --size 128"
         " --batch-size 16 --epochs 1 --timing-steps 5 --cache {cache}/task1 --out {out}",
-        45,
+        60,
         Headline("amp_dynamic", "step_s_median", "ms/step", 1e3),
     ),
     GpuCommand(
@@ -134,7 +134,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task1_loss_scaling/lm_precision.py --device cuda --timing-batch-sizes 32 128"
         " --n-samples 2500 --synthetic-vocab 20000 --max-vocab 4096 --d-model 256 --steps 20"
         " --warmup-steps 2 --noise-seeds 1 --eval-batches 2 --timing-reps 5 --out {out}",
-        30,
+        45,
         Headline("amp_dynamic", "step_s_median", "ms/step", 1e3),
     ),
     GpuCommand(
@@ -143,7 +143,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task2_batching/mock_epoch.py --device cuda --quick --pipelines brain bigbrain ultra"
         " packed_concat packed_bfd --ks 1 5 10 20 50 640 --max-batches 20 --warmup-batches 2"
         " --cache {cache}/task2/wt103_quick.npz --out {out}",
-        30,
+        60,
         Headline("packed_bfd", "real_tokens_per_s", "tokens/s"),
     ),
     GpuCommand(
@@ -160,7 +160,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 task2_batching/mock_epoch.py --device cuda --quick --pipelines ultra packed_concat"
         " packed_bfd --ks 5 --max-tokens 40960 --repeats 2 --max-batches 20 --warmup-batches 2"
         " --cache {cache}/task2/wt103_quick.npz --out {out}",
-        45,
+        60,
         Headline("ultra_k5_mt40960", "real_tokens_per_s", "tokens/s"),
     ),
     GpuCommand(
