@@ -99,12 +99,11 @@ class TrainConfig:
     cache: Path = DEFAULT_CACHE
     parallel: str = "none"
     ddp_bucket_mb: float = 200.0  # DDP all-reduce bucket (torch's default is 25 MB)
+    ddp_reduce: str = "fp32"  # the dtype DDP's all-reduces send the gradients in
     activation_checkpoint: str = "none"  # none, full, selective:K, op (blocks recomputed)
     save: Path | None = None  # a distributed checkpoint written when this run stops
     resume: Path | None = None  # a checkpoint to continue from
-    stop_after: int = (
-        0  # end this run after this many steps (0: at --steps); the schedule spans --steps
-    )
+    stop_after: int = 0  # end after this many steps (0: at --steps); the schedule spans --steps
     workers: int = 2
     log_every: int = 10
     eval_every: int = 0  # 0: no held-out loss
@@ -121,13 +120,16 @@ class TrainConfig:
         require_choices(self, "precision", PRECISIONS)
         require_choices(self, "dataset", ("iterable", "padded"))
         require_choices(self, "parallel", ("none", "ddp", "fsdp"))
+        require_choices(self, "ddp_reduce", ("fp32", "bf16"))
         require_positive(self, "sequence_length", "batch_size", "grad_accumulation", "steps")
-        require_positive(self, "log_every", "eval_batches", "profile_steps", "bpe_vocab")
-        require_positive(self, "warmup_steps", "weight_decay", "grad_clip", minimum=0)
+        require_positive(
+            self, "log_every", "eval_batches", "profile_steps", "bpe_vocab", "ddp_bucket_mb"
+        )
+        require_positive(self, "warmup_steps", "weight_decay", "grad_clip", "stop_after", minimum=0)
         require_processes(self, "workers")
         require_positive(self, "eval_every", "timing_warmup", "lr", "min_lr", minimum=0)
-        require_positive(self, "ddp_bucket_mb")
-        require_positive(self, "stop_after", minimum=0)
+        if self.ddp_reduce != "fp32" and self.parallel != "ddp":
+            raise UsageError(f"--ddp-reduce {self.ddp_reduce} needs --parallel ddp")
         if self.vocab_size is not None:
             require_positive(self, "vocab_size")
         check_llama_fits(PRESETS[self.model], self.vocab_size, self.batch_size, self.sequence_length)  # fmt: skip
@@ -194,12 +196,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("min_lr", type=float)
     flags.add("weight_decay", type=float)
     flags.add("grad_clip", type=float, help="max gradient norm; 0 = off")
-    flags.add(
-        "fused_optimizer",
-        action="store_true",
-        help="AdamW(fused=True); with --precision master the update is always one pass "
-        "(effdl.ops.fused_adamw)",
-    )
+    flags.add("fused_optimizer", action="store_true", help="fused AdamW (one pass if master)")
     flags.add("compile", action="store_true", help="torch.compile each block and the loss")
     flags.add("attention", choices=ATTENTION_BACKENDS, help="SDPA backend; auto = torch's choice")
     flags.add("dtype", choices=["bf16", "fp32"], help="compute dtype; master weights stay fp32")
@@ -222,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("cache", type=Path, output=True, help="folder for the corpus parquets and the BPE")
     flags.add("parallel", choices=["none", "ddp", "fsdp"], help="under torchrun for N processes")
     flags.add("ddp_bucket_mb", type=float, help="MB of gradients per DDP all-reduce")
+    flags.add("ddp_reduce", choices=["fp32", "bf16"], help="dtype of DDP's gradient all-reduces")
     flags.add("activation_checkpoint", help="blocks recomputed: none, full, selective:K, op")
     flags.add("save", type=Path, output=True, help="distributed checkpoint written at the end")
     flags.add("resume", type=Path, help="continue from a --save checkpoint")
@@ -284,7 +282,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
         add_profile_ranges(model)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
-    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb, init_seed=args.seed)  # fmt: skip
+    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb, reduce_dtype=torch.bfloat16 if cfg.ddp_reduce == "bf16" else torch.float32, init_seed=args.seed)  # fmt: skip
     model.train()
     opt, clip = optimizer_and_clip(model, cfg.precision, cfg.lr, cfg.weight_decay, cfg.fused_optimizer)  # fmt: skip
     autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"

@@ -54,6 +54,7 @@ def test_presets_are_valid(preset):
             "needs --parallel fsdp and --dtype bf16",
         ),
         ({"precision": "master", "parallel": "ddp"}, "--precision master needs --parallel none"),
+        ({"ddp_reduce": "bf16", "parallel": "fsdp"}, "--ddp-reduce bf16 needs --parallel ddp"),
         ({"precision": "master", "dtype": "fp32"}, "--precision master needs .* --dtype bf16"),
         ({"timing_warmup": 60}, "--timing-warmup 60 leaves none of --steps 60"),
         ({"tokenizer": Path("/nonexistent/tok")}, "--tokenizer: /nonexistent/tok does not exist"),

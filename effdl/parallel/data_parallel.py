@@ -34,6 +34,7 @@ def wrap_model(
     bucket_cap_mb: float | None = None,
     gradient_as_bucket_view: bool = True,
     broadcast_buffers: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
     init_seed: int | None = None,
 ) -> nn.Module:
     """``model`` (on ``device``, the same weights on every rank) made ready for data-parallel
@@ -58,12 +59,17 @@ def wrap_model(
     into the communication buckets, so no second copy of every gradient is kept or copied.
     ``broadcast_buffers``: copy rank 0's buffers to every rank before each forward; off, since
     the Llama's only buffers, its rotary tables, are computed identically on every rank. Under
-    NCCL each bucket is averaged inside its all-reduce (:func:`average_in_all_reduce`).
+    NCCL each bucket is averaged inside its all-reduce (:func:`average_in_all_reduce`);
+    ``reduce_dtype=torch.bfloat16`` sends the buckets in bf16 instead (:func:`average_in_bf16`).
     """
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel {parallel!r} is not one of {list(PARALLEL_MODES)}")
     if fsdp_bf16 and parallel != "fsdp":
         raise ValueError(f"fsdp_bf16 needs parallel='fsdp', got {parallel!r}")
+    if reduce_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"reduce_dtype {reduce_dtype} is not torch.float32 or torch.bfloat16")
+    if reduce_dtype != torch.float32 and parallel != "ddp":
+        raise ValueError(f"reduce_dtype {reduce_dtype} needs parallel='ddp', got {parallel!r}")
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init_seed is None:
         raise ValueError("a model on the meta device needs init_seed to be materialised")
@@ -76,7 +82,12 @@ def wrap_model(
     if on_meta:
         _materialize_parts(model, device, init_seed, shard=None)
     if parallel == "ddp":
-        return _ddp(model, device, bucket_cap_mb, gradient_as_bucket_view, broadcast_buffers)
+        ddp = _ddp(model, device, bucket_cap_mb, gradient_as_bucket_view, broadcast_buffers)
+        if reduce_dtype == torch.bfloat16:
+            ddp.register_comm_hook(None, average_in_bf16)
+        elif dist.get_backend() == "nccl":
+            ddp.register_comm_hook(None, average_in_all_reduce)
+        return ddp
     return model
 
 
@@ -108,16 +119,13 @@ def _ddp(
     buffers_flag = (
         "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
     )
-    ddp = DistributedDataParallel(
+    return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=gradient_as_bucket_view,
         **{buffers_flag: broadcast_buffers},
     )
-    if dist.get_backend() == "nccl":
-        ddp.register_comm_hook(None, average_in_all_reduce)
-    return ddp
 
 
 def average_in_all_reduce(
@@ -128,6 +136,25 @@ def average_in_all_reduce(
     by the world size in a separate pass over all of them, then sums."""
     work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def average_in_bf16(
+    group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's mean over the ranks, sent in bf16 and written back
+    into the fp32 bucket. Each all-reduce moves half the bytes; each rank's gradient is rounded
+    to bf16 (8 significant bits) before the ranks are summed."""
+    buffer = bucket.buffer()
+    sent = buffer.to(torch.bfloat16)
+    nccl = dist.get_backend(group) == "nccl"  # NCCL averages as it sums; others sum
+    op = dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM
+    work = dist.all_reduce(sent, op=op, group=group, async_op=True)
+    ranks = 1 if nccl else dist.get_world_size(group)
+
+    def written_back(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        return buffer.copy_(fut.value()[0]).div_(ranks)
+
+    return work.get_future().then(written_back)
 
 
 def _fully_shard(

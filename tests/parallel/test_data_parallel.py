@@ -172,6 +172,29 @@ def test_gradient_sync_keeps_ddp_gradients_local_until_the_last_micro_batch():
     assert not torch.allclose(got[0]["ddp_0"], got[1]["ddp_0"])  # the ranks' data differ
 
 
+def bf16_reduced_gradients(rank: int, world: int) -> dict:
+    device = rank_device(rank, "cpu")
+    x, y = global_batches(device)[0]
+    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+    plain = build(device)
+    ddp = wrap_model(build(device), "ddp", False, False, device, world, reduce_dtype=torch.bfloat16)
+    for model in (plain, ddp):
+        F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
+    return {"plain": flat_grad(plain), "ddp": flat_grad(ddp)}
+
+
+def test_ddp_can_send_its_gradients_in_bf16():
+    got = spawn(bf16_reduced_gradients, 2)
+    exact = (got[0]["plain"] + got[1]["plain"]) / 2
+    rounded = (got[0]["plain"].bfloat16().float() + got[1]["plain"].bfloat16().float()) / 2
+    for rank_got in got:
+        assert rank_got["ddp"].dtype == torch.float32  # written back into the fp32 buckets
+        torch.testing.assert_close(rank_got["ddp"], rounded.bfloat16().float(), rtol=0, atol=0)
+        scale = (got[0]["plain"].abs() + got[1]["plain"].abs()) / 2  # bf16 keeps 8 bits of each
+        assert ((rank_got["ddp"] - exact).abs() <= 2**-7 * scale).all()
+    torch.testing.assert_close(got[0]["ddp"], got[1]["ddp"], rtol=0, atol=0)  # one mean
+
+
 def register_average_hook(rank: int, world: int) -> bool:
     ddp = nn.parallel.DistributedDataParallel(build(rank_device(rank, "cpu")))
     ddp.register_comm_hook(None, average_in_all_reduce)  # DDP checks the hook's signature
@@ -194,6 +217,10 @@ def test_wrap_model_refuses_what_it_cannot_do():
         wrap_model(model, "zero", False, False, cpu, 1)
     with pytest.raises(ValueError, match="fsdp_bf16 needs parallel='fsdp', got 'ddp'"):
         wrap_model(model, "ddp", True, False, cpu, 1)
+    with pytest.raises(ValueError, match="needs parallel='ddp', got 'fsdp'"):
+        wrap_model(model, "fsdp", False, False, cpu, 1, reduce_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"is not torch\.float32 or torch\.bfloat16"):
+        wrap_model(model, "ddp", False, False, cpu, 1, reduce_dtype=torch.float16)
     assert wrap_model(model, "none", False, False, cpu, 1) is model
 
 
