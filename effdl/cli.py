@@ -422,8 +422,17 @@ def one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def check_failed(what: str) -> int:
+    """A check the script performs failed (a correctness check, a cap, a target): one line on
+    stderr naming it, and exit code 1 for :func:`run_main` to return once the logs are written
+    (``return check_failed(...)`` from ``main``)."""
+    print(f"{Path(sys.argv[0]).name}: failed: {one_line(what)}", file=sys.stderr)
+    return 1
+
+
 def run_main(main: Callable[[], int | None]) -> None:
-    """Run a script's ``main`` and exit; usage errors print one line to stderr and exit 2."""
+    """Run a script's ``main`` and exit with the code it returns (``None``: 0; a failed check:
+    1, see :func:`check_failed`); usage errors print one line to stderr and exit 2."""
     prog = Path(sys.argv[0]).name
     try:
         code = main()

@@ -32,6 +32,10 @@ cosine to a tenth (``cosine``).
 ``--reference adamw`` trains the same initial weights on the same batches a second time with
 ``torch.optim.AdamW(fused=True)`` on fp32 weights under bf16 autocast, uncapped, with the same
 micro-batches and learning rates, and logs both loss curves and their gap (``equivalence``).
+The check is the gap: a mean |gap| above MAX_MEAN_GAP_NATS prints FAIL, says so on stderr and
+exits 1 (after the log is written). Each run's loss fall is printed beside its target but not
+judged: it is the batch's, the weights' and the steps' (both runs share it; from random init
+the loss stops at the batch's unigram entropy), not the optimizer's.
 
 ``--checkpoint-layers -1`` checkpoints the fewest blocks whose estimated memory
 (effdl.profiling.memory_budget, with the activation bytes measured on the GPU) fits the cap.
@@ -50,7 +54,14 @@ from __future__ import annotations
 
 import torch
 
-from effdl.cli import base_parser, device_from_arg, print_table, run_main, start_run
+from effdl.cli import (
+    base_parser,
+    check_failed,
+    device_from_arg,
+    print_table,
+    run_main,
+    start_run,
+)
 from effdl.gpt2_offload.baseline import BaselineConfig, run_baseline, speed_ratios
 from effdl.gpt2_offload.budget import require_run_fits
 from effdl.gpt2_offload.config import TrainConfig, parse_train_args
@@ -134,19 +145,22 @@ def print_offload(rows: list[dict], summary: dict, fixed_batch: bool, title: str
 
 
 def print_equivalence(rows: list[dict], reference: list[dict], eq: dict, data: str) -> None:
-    """Both loss curves step by step, their gap, and the verdict against the targets."""
+    """Both loss curves step by step, their gap and its verdict, and each run's fall beside
+    its target."""
     table = [{"step": r["step"], "lr": r["lr"], "ours": r["loss"], "reference": ref["loss"],
               "gap": gap} for r, ref, gap in zip(rows, reference, eq["abs_gap"], strict=True)]  # fmt: skip
     print_table(table, title=f"Equivalence with torch AdamW ({data})")
     print(
-        f"mean |gap| {eq['mean_abs_gap']:.4f} nats (max {eq['max_abs_gap']:.4f}; target <= "
-        f"{MAX_MEAN_GAP_NATS}); fall ours {eq['fall_ours']:.1%}, reference "
-        f"{eq['fall_reference']:.1%} (target >= {MIN_FALL:.0%}): "
-        f"{'PASS' if eq['passed'] else 'FAIL'}"
+        f"equivalence: mean |gap| {eq['mean_abs_gap']:.4f} nats (max {eq['max_abs_gap']:.4f}; "
+        f"target <= {MAX_MEAN_GAP_NATS}): {'PASS' if eq['gap_ok'] else 'FAIL'}"
+    )
+    print(
+        f"loss fall: ours {eq['fall_ours']:.1%}, reference {eq['fall_reference']:.1%} "
+        f"(fixed-batch target >= {MIN_FALL:.0%})"
     )
 
 
-def main() -> None:
+def main() -> int | None:
     args, cfg = parse_train_args(base_parser(__doc__.splitlines()[0], default_out="runs/gpt2"))
     # Before CUDA starts: without it the cap counts memory reserved between segments.
     use_expandable_segments()
@@ -166,6 +180,12 @@ def main() -> None:
         print_equivalence(rows, reference, eq, data["data"])
     if cfg.baseline:
         run_speed_baseline(cfg, summary, config, run.device, run.log)
+    if cfg.reference == "adamw" and not eq["gap_ok"]:
+        return check_failed(
+            f"ours and torch AdamW apart: mean |loss gap| {eq['mean_abs_gap']:.4f} nats > "
+            f"{MAX_MEAN_GAP_NATS}"
+        )
+    return None
 
 
 if __name__ == "__main__":

@@ -295,3 +295,13 @@ def test_a_process_count_past_the_cap_is_refused_before_any_process_starts(tmp_p
     (line,) = done.stderr.strip().splitlines()
     assert f"{flag} 1000: at most" in line
     assert not out.exists()
+
+
+def test_a_failed_check_is_one_line_on_stderr_and_exit_code_1(monkeypatch, capsys):
+    from effdl.cli import check_failed, run_main
+
+    monkeypatch.setattr(sys, "argv", ["script.py"])
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: check_failed("the gap\n  is 0.2 nats"))
+    assert e.value.code == 1
+    assert capsys.readouterr() == ("", "script.py: failed: the gap is 0.2 nats\n")

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from effdl.cli import run_main
+from effdl.gpt2_offload import reference as gpt2_reference
 from effdl.gpt2_offload.config import FULL
 from effdl.gpt2_offload.inputs import lr_at
 from effdl.results import read_records
@@ -81,6 +82,28 @@ def test_reference_run_starts_from_our_weights_and_tracks_our_loss(
     assert m["mean_abs_gap"] < 0.05 and m["gap_ok"]
     assert m["fall_reference"] > 0 and m["fall_ours"] > 0
     assert m["passed"] == (m["gap_ok"] and m["fall_ok"])
+
+
+def test_a_gap_past_its_target_fails_the_run_after_the_log(cache, tmp_path, monkeypatch, capsys):
+    """With the gap target below any gap (-1 nats), the equivalence prints FAIL, stderr names
+    the gap in one line and the exit code is 1; the equivalence record is still written."""
+    monkeypatch.setattr(gpt2_reference, "MAX_MEAN_GAP_NATS", -1.0)
+    monkeypatch.setattr(train, "MAX_MEAN_GAP_NATS", -1.0)
+    argv = ["--fixed-batch", "--steps", "2", "--warmup-steps", "1", "--reference", "adamw"]
+    argv = ["train.py", "--quick", *argv, "--cache", str(cache), "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        run_main(train.main)
+    out, err = capsys.readouterr()
+    failed = [line for line in err.splitlines() if "failed" in line]  # tqdm writes there too
+    assert e.value.code == 1
+    assert len(failed) == 1 and failed[0].startswith(
+        "train.py: failed: ours and torch AdamW apart: mean |loss gap| "
+    ), failed
+    assert failed[0].endswith("nats > -1.0"), failed
+    assert "target <= -1.0): FAIL" in out and "loss fall: ours" in out
+    eq = [r for r in read_records(tmp_path / "gpt2.jsonl") if r["variant"] == "equivalence"]
+    assert len(eq) == 1 and not eq[0]["metrics"]["gap_ok"]
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,32 @@ def test_concatenation_packs_the_documents_drop_keeps(tmp_path, monkeypatch, cap
     assert by["concat"]["lower_bound"] == by["ffd"]["lower_bound"] == by["bfd"]["lower_bound"]
 
 
+@pytest.mark.parametrize("met", [True, False])
+def test_a_missed_bfd_target_exits_1_after_the_log(met, tmp_path, monkeypatch, capsys):
+    """The target is checked from n = TARGET_N (lowered here, so a small run reaches it): met,
+    exit 0; missed (a time limit of 0 s), the verdict on stdout, one line on stderr naming the
+    target and exit 1, with every record logged."""
+    module = load_script("packing_costs")
+    monkeypatch.setattr(module, "TARGET_N", 2000)
+    monkeypatch.setattr(module, "BFD_TARGET_S", 1e9 if met else 0.0)
+    argv = ["packing_costs.py", "--quick", "--sizes", "2000", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        run_main(module.main)
+    out, err = capsys.readouterr()
+    assert [r["variant"] for r in read_records(tmp_path / "packing.jsonl")] == [
+        "packing_concat", "packing_ffd", "packing_bfd",
+    ]  # fmt: skip
+    failed = [line for line in err.splitlines() if "failed" in line]  # tqdm writes there too
+    if met:
+        assert e.value.code == 0 and "-> met" in out and not failed
+    else:
+        assert e.value.code == 1 and "-> NOT met" in out
+        assert failed == [
+            "packing_costs.py: failed: BFD target (< 0 s, fill >= 99%) not met at n=2000"
+        ]
+
+
 def test_training_never_spins_on_an_empty_loader():
     endless = load_script("train_pipelines").endless([])
     with pytest.raises(RuntimeError, match="no batch in a whole epoch"):
