@@ -278,6 +278,41 @@ def load_results(
     return pd.DataFrame(rows)
 
 
+def _named(value: Any) -> str | None:
+    """``value`` as text, or None where it names nothing (None, NaN, pandas' NA, blank)."""
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return None
+    text = str(value).strip()
+    return text if text and text.lower() not in ("nan", "none") else None
+
+
+def device_name(env: Any) -> str:
+    """The device a record was measured on, as a report names it: the GPU's name where the
+    record's env names one, else the CPU, ``"CPU (x86_64)"`` (``"CPU"`` where the env names no
+    processor either); never ``"None"``. ``env`` is a record's ``env`` (keys ``gpu``, ``cpu``) or
+    a row of :func:`load_results` (keys ``env.gpu``, ``env.cpu``)."""
+
+    def get(key: str) -> str | None:
+        for k in (key, f"env.{key}"):
+            try:
+                found = _named(env.get(k))
+            except (TypeError, ValueError):  # an ambiguous value (a list, an array) names nothing
+                found = None
+            if found is not None:
+                return found
+        return None
+
+    gpu, cpu = get("gpu"), get("cpu")
+    if gpu is not None:
+        return gpu
+    return f"CPU ({cpu})" if cpu is not None else "CPU"
+
+
+def on_gpu(env: Any) -> bool:
+    """Whether a record (its ``env``, or a :func:`load_results` row) was measured on a GPU."""
+    return not device_name(env).startswith("CPU")
+
+
 def results_dir(default: str | os.PathLike = "results") -> Path:
     """The results folder a report reads: ``$EFFDL_RESULTS`` if set, else ``default``."""
     return Path(os.environ.get(RESULTS_ENV_VAR, default))

@@ -1,11 +1,64 @@
-"""Plain-text tables of dict rows, for the summaries scripts and profiles print."""
+"""Plain-text tables of dict rows, for the summaries scripts and profiles print, and the wording
+of values in the report notebooks: a missing value reads "not measured" (never "nan" or "None",
+and no verdict beside it), a column with no value is named once instead of shown, a signed
+difference names its direction.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 NOT_MEASURED = "-"
+MISSING = "not measured"
+
+
+def is_missing(value: Any) -> bool:
+    """True for None, NaN and pandas' NA: a quantity the logs do not hold."""
+    if value is None or type(value).__name__ == "NAType":
+        return True
+    try:
+        return math.isnan(value)
+    except (TypeError, ValueError):
+        return False
+
+
+def measured(value: Any, spec: str = ".3g", unit: str = "", missing: str = MISSING) -> str:
+    """``value`` formatted by ``spec`` (followed by ``unit``), or ``missing`` where it is None or
+    NaN: ``measured(None, ".1f", " GiB")`` reads "not measured", not "nan GiB"."""
+    return missing if is_missing(value) else format(value, spec) + unit
+
+
+def signed_gap(difference: float, positive: str, negative: str, spec: str = ".2f") -> str:
+    """A difference as its size and the word for its sign: ``signed_gap(x - y, "below",
+    "above")`` reads "0.63 below" for 0.63 and "0.63 above" for -0.63, never "-0.63 below"."""
+    if is_missing(difference):
+        return MISSING
+    return f"{format(abs(difference), spec)} {positive if difference >= 0 else negative}"
+
+
+def split_unmeasured(frame: Any) -> tuple[Any, list]:
+    """A pandas DataFrame without its columns that hold no value at all, and those columns'
+    names: a report shows the measured columns and names the others once as not measured,
+    instead of a column of "NaN"."""
+    empty = [c for c in frame.columns if frame[c].isna().all()]
+    return frame.drop(columns=empty), empty
+
+
+def missing_as_text(frame: Any, text: str = MISSING, spec: str | None = None) -> Any:
+    """A copy of a pandas DataFrame (or Series) for display: its missing cells (None, NaN)
+    written as ``text`` instead of "NaN" / "None", and, with ``spec`` (".3f"), its floats
+    formatted by it (as a float column would show them)."""
+
+    def cell(value: Any) -> Any:
+        if is_missing(value):
+            return text
+        return format(value, spec) if spec and isinstance(value, float) else value
+
+    if hasattr(frame, "columns"):  # column by column: DataFrame.map needs pandas >= 2.1
+        return frame.apply(lambda column: column.map(cell))
+    return frame.map(cell)
 
 
 def format_measured(value: float | None, spec: str = ".3f") -> str:

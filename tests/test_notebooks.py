@@ -22,7 +22,7 @@ ENV = {
 }
 
 
-def fake_ceilings(folder: Path) -> None:
+def fake_ceilings(folder: Path, env: dict = ENV) -> None:
     log = folder / "ceilings" / "c.jsonl"
     for dtype, tf in [("bf16", 700.0), ("fp32", 50.0)]:
         append_record(
@@ -32,7 +32,7 @@ def fake_ceilings(folder: Path) -> None:
                 f"matmul_{dtype}",
                 {"op": "matmul", "dtype": dtype, "n": 64},
                 {"tflops": tf, "time_s_median": 1e-3},
-                ENV,
+                env,
             ),
         )
     append_record(
@@ -42,7 +42,7 @@ def fake_ceilings(folder: Path) -> None:
             "copy",
             {"op": "copy", "bytes": 2**30},
             {"gb_per_s": 3000.0, "time_s_median": 1e-3},
-            ENV,
+            env,
         ),
     )
 
@@ -56,6 +56,19 @@ def test_ceilings_notebook_executes_against_given_results(tmp_path):
     assert html.read_text().count("Test GPU") > 0
     outputs = json.dumps(nbformat.read(ipynb, as_version=4).cells[-1].outputs)
     assert "700" in outputs and "3000" in outputs  # the fake numbers, not the committed ones
+
+
+@pytest.mark.slow
+def test_ceilings_notebook_sets_no_datasheet_against_cpu_numbers(tmp_path):
+    fake_ceilings(tmp_path / "results", env={**ENV, "gpu": None, "cpu": "x86_64"})
+    ipynb, _ = execute_notebook(
+        REPORTS / "gpu_ceilings.ipynb", tmp_path / "results", tmp_path / "out"
+    )
+    cells = nbformat.read(ipynb, as_version=4).cells
+    text = json.dumps([c.outputs for c in cells if c.cell_type == "code"])
+    assert "CPU (x86_64)" in text and "None" not in text  # the device that ran, named
+    assert "not comparable" in text  # said once ...
+    assert "fraction of datasheet" not in text and "of datasheet" not in text  # ... and not set
 
 
 def test_runner_fails_cleanly_on_missing_results_folder(tmp_path, capsys):

@@ -230,3 +230,19 @@ def test_a_log_that_is_not_text_is_a_format_error_naming_the_file(tmp_path, name
         read_records(path)
     with pytest.raises(ResultsFormatError, match=rf"{name}: not a JSONL run log"):
         load_results(tmp_path)
+
+
+def test_device_name_falls_back_to_the_cpu_never_none():
+    import pandas as pd
+
+    from effdl.results import device_name, on_gpu
+
+    assert device_name({"gpu": "NVIDIA H100 80GB HBM3", "cpu": "x86_64"}) == "NVIDIA H100 80GB HBM3"
+    assert device_name({"gpu": None, "cpu": "x86_64"}) == "CPU (x86_64)"
+    assert device_name({"gpu": None}) == "CPU"
+    # a row of load_results: flattened keys, a missing GPU read back as NaN
+    row = pd.Series({"env.gpu": float("nan"), "env.cpu": "aarch64"})
+    assert device_name(row) == "CPU (aarch64)"
+    assert device_name(pd.Series({"env.gpu": "Test GPU", "env.cpu": "x"})) == "Test GPU"
+    assert not on_gpu(row) and on_gpu({"gpu": "Test GPU"})
+    assert "None" not in device_name({"gpu": None, "cpu": None})
