@@ -149,10 +149,11 @@ def average_in_bf16(
     nccl = dist.get_backend(group) == "nccl"  # NCCL averages as it sums; others sum
     op = dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM
     work = dist.all_reduce(sent, op=op, group=group, async_op=True)
-    ranks = 1 if nccl else dist.get_world_size(group)
+    ranks = dist.get_world_size(group)
 
     def written_back(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        return buffer.copy_(fut.value()[0]).div_(ranks)
+        buffer.copy_(fut.value()[0])
+        return buffer if nccl else buffer.div_(ranks)  # NCCL's AVG has divided already
 
     return work.get_future().then(written_back)
 
