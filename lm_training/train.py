@@ -60,7 +60,7 @@ from effdl.models.llama import PRESETS, build_on_meta, llama_train_flops_per_tok
 from effdl.optim import warmup_cosine_lr
 from effdl.parallel import apply_activation_checkpointing, wrap_model
 from effdl.profiling.flops import peak_bf16_tflops
-from effdl.profiling.kernel_split import kernel_split, kind_shares, read_trace_events
+from effdl.profiling.kernel_split import kernel_split, kind_shares, read_trace_events, waits
 from effdl.profiling.timing import RegionTimer, take_peak_memory
 from effdl.results import RunLog
 
@@ -384,7 +384,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
         split = kernel_split(read_trace_events(trace))
         log.log(f"{variant}_kernels", config, {"profile_steps": cfg.profile_steps, **split})
         shares = kind_shares(split, cfg.profile_steps)
-        print_table(shares, title=f"GPU time by kernel kind over {cfg.profile_steps} steps")
+        print_table(shares, title=f"GPU time by kernel kind, {waits(split, cfg.profile_steps)}")
     if log is not None:
         log.log(f"{variant}_summary", config, summary)
         shown = [{k: r.get(k) for k in (*TABLE, "val_loss")} for r in rows]

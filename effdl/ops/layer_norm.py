@@ -415,13 +415,10 @@ def kernel_path(x: torch.Tensor, width: int) -> str:
 
 def _torch_kernel(x, weight, bias, eps: float, normalized_shape: tuple[int, ...]) -> torch.Tensor:
     """torch's LayerNorm outside autocast: the output in ``x``'s dtype. Parameters of another
-    dtype are cast to ``x``'s, except fp32 ones with half-precision ``x``, which it mixes."""
+    dtype are cast to ``x``'s (torch's CUDA kernel takes one dtype for all three)."""
 
     def cast(p: torch.Tensor | None) -> torch.Tensor | None:
-        keep = (
-            p is None or p.dtype == x.dtype or (p.dtype == torch.float32 and x.element_size() == 2)
-        )
-        return p if keep else p.to(x.dtype)
+        return p if p is None or p.dtype == x.dtype else p.to(x.dtype)
 
     with torch.autocast(x.device.type, enabled=False):
         return nn.functional.layer_norm(x, normalized_shape, cast(weight), cast(bias), eps)

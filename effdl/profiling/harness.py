@@ -337,7 +337,7 @@ def graph_replay_times(
     graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, replays: int
 ) -> dict[str, list[float]]:
     """Per name, seconds per replay in each of ``rounds`` interleaved rounds of ``replays``
-    back-to-back replays between two CUDA events, after one untimed round."""
+    back-to-back replays between two CUDA events, after one untimed replay of each."""
     times: dict[str, list[float]] = {name: [] for name in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for g in graphs.values():

@@ -1,9 +1,9 @@
 """GPU kernel time of a torch.profiler Chrome trace, split by what the kernels do.
 
 Where a training step's GPU time goes, in a few kinds (GEMM, attention, fused elementwise code
-that torch.compile generated, the optimizer, the loss, copies, the rest), read from the kernel
-names: enough to say how far the GEMMs run from the GPU's GEMM ceiling and what the other kernels
-cost around them. Kernels named like none of the kinds count as "other elementwise". Also the
+that torch.compile generated, the optimizer, the loss, copies, collectives, the rest), read from
+the kernel names: enough to say how far the GEMMs run from the GPU's GEMM ceiling, what the other
+kernels cost around them and how much collective time no computation hides. Kernels named like none of the kinds count as "other elementwise". Also the
 kernel time of one profiler range with each kernel counted once (:func:`launched_kernel_us`),
 and a step's host and device time split by its named ranges (:func:`step_breakdown`).
 """
@@ -21,6 +21,7 @@ from typing import Any
 # (kind, name fragments); the first kind whose fragment occurs in the lower-cased name wins, so
 # attention comes before gemm (cuDNN's attention kernels carry "sm90" too)
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl",)),
     ("attention", ("flash", "fmha", "sdpa", "attention")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem")),
     ("optimizer", ("adam", "multi_tensor")),
@@ -29,6 +30,7 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("copy/fill", ("memcpy", "memset")),
 )
 OTHER = "other elementwise"
+COMMUNICATION = "communication"
 # kineto's marker for a kernel launch that waited on a full CUDA command queue: it lists the
 # launched kernels again, beside the op that launched them, so sums over a range count them twice
 LAUNCH_STALL = "Command Buffer Full"
@@ -68,8 +70,10 @@ def read_trace_events(path: str | Path) -> list[dict[str, Any]]:
 
 def kernel_split(events: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
     """GPU time by kind over a trace's kernels, copies and fills: ``span_ms`` (first start to
-    last end), ``kernel_ms`` (their summed durations), ``busy_share``, ``by_kind_ms`` (largest
-    first), ``by_kind_share`` (of the span) and the ``top`` kernels by total time."""
+    last end), ``kernel_ms`` (their summed durations), ``busy_share``,
+    ``communication_exposed_ms`` (collective kernels running alone), ``idle_ms`` (no kernel
+    running), ``by_kind_ms`` (largest first), ``by_kind_share`` (of the span) and the ``top``
+    kernels by total time."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNEL_CATEGORIES]
     if not kernels:
         raise ValueError("the trace holds no GPU kernels (was CUDA activity recorded?)")
@@ -79,10 +83,18 @@ def kernel_split(events: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
         by_name[e["name"]] += e["dur"]
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
     busy = sum(by_kind.values())
+    comm, compute = [], []
+    for e in kernels:
+        is_comm = kernel_kind(e["name"]) == COMMUNICATION
+        (comm if is_comm else compute).append((e["ts"], e["ts"] + e["dur"]))
+    covered = _busy(comm + compute)
     return {
         "span_ms": span / 1e3,
         "kernel_ms": busy / 1e3,
         "busy_share": busy / span,
+        # collectives while no other kernel runs: the communication a step waits for
+        "communication_exposed_ms": (covered - _busy(compute)) / 1e3,
+        "idle_ms": (span - covered) / 1e3,
         "by_kind_ms": {k: v / 1e3 for k, v in by_kind.most_common()},
         "by_kind_share": {k: v / span for k, v in by_kind.most_common()},
         "top_kernels": [
@@ -108,6 +120,13 @@ def kind_shares(split: dict[str, Any], steps: int) -> list[dict[str, Any]]:
         {"kind": kind, "ms per step": ms / steps, "share of span": split["by_kind_share"][kind]}
         for kind, ms in split["by_kind_ms"].items()
     ]
+
+
+def waits(split: dict[str, Any], steps: int) -> str:
+    """One line of what a step of :func:`kernel_split`'s trace waits for on the GPU: collectives
+    running alone and time with no kernel, in milliseconds per step over ``steps`` steps."""
+    alone, idle = (split[k] / steps for k in ("communication_exposed_ms", "idle_ms"))
+    return f"{steps} steps: a step has {alone:.2f} ms of collectives alone and {idle:.2f} ms idle"
 
 
 def step_breakdown(

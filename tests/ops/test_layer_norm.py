@@ -364,7 +364,7 @@ def test_cuda_small_inputs_take_torchs_kernel_in_x_dtype_under_autocast(x_dtype)
     with torch.autocast("cuda", dtype=torch.float16):
         y = ln(x)
     assert y.dtype == x_dtype
-    assert torch.equal(y, F.layer_norm(x, (1024,), ln.weight, ln.bias))
+    assert torch.equal(y, F.layer_norm(x, (1024,), ln.weight.to(x_dtype), ln.bias.to(x_dtype)))
 
 
 @pytest.mark.gpu

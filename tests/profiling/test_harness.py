@@ -260,4 +260,4 @@ def test_a_captured_graph_replays_its_step_and_is_timed_per_replay():
     assert x.sum().item() == 0  # captured, not run
     times = harness.graph_replay_times({"add": graph}, rounds=3, replays=4)
     assert len(times["add"]) == 3 and all(t > 0 for t in times["add"])
-    assert x[0].item() == 4 * 3 + 4  # one untimed round, then three rounds of four replays
+    assert x[0].item() == 1 + 3 * 4  # one untimed replay, then three rounds of four

@@ -13,6 +13,7 @@ from effdl.profiling.kernel_split import (
     launched_kernel_us,
     read_trace_events,
     step_breakdown,
+    waits,
 )
 
 
@@ -38,6 +39,9 @@ def test_kinds_from_names():
     assert kernel_kind("triton_red_fused__log_softmax_0") == "loss"
     assert kernel_kind("triton_per_fused_add_pow_sum_8") == "fused elementwise (triton)"
     assert kernel_kind("void at::native::elementwise_kernel<128, 4>") == "other elementwise"
+    assert (
+        kernel_kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgs)") == "communication"
+    )
 
 
 def test_split_by_hand(tmp_path):
@@ -60,6 +64,22 @@ def test_split_by_hand(tmp_path):
     )
     assert next(iter(split["by_kind_ms"])) == "gemm"
     assert [k["ms"] for k in split["top_kernels"]] == pytest.approx([0.3, 0.1])
+    assert split["idle_ms"] == pytest.approx(0.06)  # 450 .. 500 and 550 .. 560
+    assert split["communication_exposed_ms"] == 0.0
+
+
+def test_collectives_count_as_exposed_only_where_nothing_else_runs():
+    events = [
+        kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", 0, 100),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 100),  # 100 .. 150 alone
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 200, 30),  # alone, after a 50 us gap
+        kernel("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 230, 20),
+    ]
+    split = kernel_split(events)
+    assert split["communication_exposed_ms"] == pytest.approx(0.08)
+    assert split["idle_ms"] == pytest.approx(0.05)
+    assert split["by_kind_ms"]["communication"] == pytest.approx(0.13)
+    assert waits(split, 2) == "2 steps: a step has 0.04 ms of collectives alone and 0.03 ms idle"
 
 
 def test_a_trace_without_kernels_is_refused():
