@@ -84,3 +84,23 @@ def format_table(rows: Sequence[Mapping[str, Any]], floatfmt: str = ".4g") -> st
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
     return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def spread(rows: Sequence[Mapping[str, Any]], by: str, fields: Sequence[str]) -> list[dict]:
+    """Per value of ``by`` (first-seen order): the number of rows and, for each of ``fields``,
+    the mean, min and max over the rows where it was measured (see :func:`is_missing`), None
+    where no row measured it. The spread of repeated runs, such as one setup under several
+    seeds."""
+    groups: dict[Any, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r[by], []).append(r)
+    out = []
+    for key, members in groups.items():
+        row: dict[str, Any] = {by: key, "n": len(members)}
+        for f in fields:
+            values = [float(m[f]) for m in members if not is_missing(m.get(f))]
+            row[f"{f}_mean"] = sum(values) / len(values) if values else None
+            row[f"{f}_min"] = min(values, default=None)
+            row[f"{f}_max"] = max(values, default=None)
+        out.append(row)
+    return out

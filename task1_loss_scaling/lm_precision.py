@@ -6,19 +6,17 @@ Setups (seed 001's comparison plus torch's references):
 ``own_autocast_torch_scaler`` (own Autocast + torch.amp.GradScaler);
 ``torch_autocast_torch_scaler`` (the reference). Every setup trains a model built from the same
 seed on the same list of batches (built once, kept on the device), so the curves differ only by
-arithmetic. ``--noise-seeds N`` reruns the reference with N other init seeds (same batches) to
-show how far two correct runs drift apart: own Autocast's curve should stay within that spread.
+arithmetic. ``--seeds N`` trains every setup from N init seeds (same batches): the spread of each
+setup's result, and in the reference's reruns how far two correct runs drift apart, the noise
+own Autocast's curve should stay within.
 
-Logged to ``--out``/lm_precision.jsonl (variant = setup; ``config.kind`` says the record type):
-``step`` (loss, accuracy, scale, skipped), ``run`` (held-out loss/accuracy, diverged flag: each
-run as it ends), ``final`` (the same and the gaps to the reference, after all runs), ``timing``
-(one training step = forward + loss + scaled backward + unscale/skip check/optimizer step, and
-its gradient computation within it, on one fixed batch, with the benchmark harness: setups side
-by side, rotating rounds after a warm-up; median).
+Logged to ``--out``/lm_precision.jsonl, variant = setup, ``config.kind`` = ``step``, ``run``
+(held-out figures as a run ends), ``final`` (with the gaps to the reference) or ``timing`` (a
+whole training step and its fwd+bwd on one fixed batch, setups in rotating rounds; medians).
 
-A run whose training loss turns non-finite is stopped at the next check (every 25 steps) and
-marked diverged, and the script goes on; in fp32 it is refused (lower ``--lr``). In ``pure_fp16``
-AdamW's moments are fp16 too and its eps (1e-8) rounds to 0 there: part of "naive fp16".
+A run whose loss turns non-finite stops at the next check (every 25 steps), marked diverged; in
+fp32 that is refused (lower ``--lr``). ``pure_fp16`` keeps AdamW's moments in fp16 (eps rounds
+to 0): part of "naive fp16".
 
 The defaults (:class:`LMPrecisionConfig`) are the GPU experiment: 4 post-norm decoder layers of
 width 1024 without dropout (seeds only change the init), a basic_english vocabulary of 32768,
@@ -66,6 +64,7 @@ from effdl.models.lm_objective import LMAccuracy, LMCrossEntropyLoss
 from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_variants
 from effdl.profiling.timing import TimingStats
 from effdl.results import RunLog
+from effdl.tables import spread
 
 SETUPS = {
     "fp32": PrecisionSpec("none", "none"),
@@ -93,7 +92,7 @@ class LMPrecisionConfig:
     n_samples: int = 30_000
     synthetic_vocab: int = 200_000  # distinct words of the generated corpus
     setups: list[str] = field(default_factory=lambda: list(SETUPS))
-    noise_seeds: int = 2
+    seeds: int = 3  # init seeds per setup
     steps: int = 500
     batch_size: int = 32
     max_length: int = 256
@@ -115,8 +114,8 @@ class LMPrecisionConfig:
     def validate(self) -> None:
         require_positive(self, "n_samples", "steps", "batch_size", "max_length", "max_vocab",
                          "d_model", "n_layers", "eval_batches", minimum=2)  # fmt: skip
-        require_positive(self, "noise_seeds", "k", "lr", "warmup_steps", "timing_reps", minimum=0)
-        require_positive(self, "growth_interval", "synthetic_vocab", "timing_batch_sizes")
+        require_positive(self, "k", "lr", "warmup_steps", "timing_reps", minimum=0)
+        require_positive(self, "seeds", "growth_interval", "synthetic_vocab", "timing_batch_sizes")
         require_choices(self, "setups", SETUPS)
         require_choices(self, "pipeline", PIPELINES)
         require_choices(self, "amp_dtype", LOW_DTYPES)
@@ -143,7 +142,7 @@ class LMPrecisionConfig:
 
 
 FULL = LMPrecisionConfig()
-QUICK = LMPrecisionConfig(n_samples=2_500, synthetic_vocab=20_000, noise_seeds=1, steps=30,
+QUICK = LMPrecisionConfig(n_samples=2_500, synthetic_vocab=20_000, seeds=2, steps=30,
                           batch_size=8, max_length=64, max_vocab=2048, d_model=64, n_layers=2,
                           warmup_steps=5, eval_batches=4, timing_reps=4)  # fmt: skip
 
@@ -157,7 +156,7 @@ def parse_config() -> tuple[LMPrecisionConfig, Run]:
     flags.add("n_samples", type=int, help="text lines used")
     flags.add("synthetic_vocab", type=int, help="distinct words of the generated corpus")
     flags.add("setups", nargs="+", help="a subset of the six setups")
-    flags.add("noise_seeds", type=int, help="extra reference runs with other seeds")
+    flags.add("seeds", type=int, help="init seeds per setup (same batches)")
     flags.add("steps", type=int, help="training steps per setup")
     flags.add("batch_size", type=int)
     flags.add("max_length", type=int, help="tokens per sample")
@@ -273,7 +272,7 @@ def log_finals(runs: list[dict], log: RunLog) -> None:
     a setup whose gaps are no larger is within run-to-run noise of the reference.
     """
     ref = next((r for r in runs if r["setup"] == REFERENCE and r["role"] == "main"), None)
-    noise = [r for r in runs if r["role"] == "noise"]
+    noise = [r for r in runs if r["setup"] == REFERENCE and r["role"] == "rerun"]
     noise_curve = max((curve_gap(r["curve"], ref["curve"]) for r in noise), default=math.nan)
     noise_loss = max((abs(r["heldout_loss"] - ref["heldout_loss"]) for r in noise),
                      default=math.nan) if ref else math.nan  # fmt: skip
@@ -294,10 +293,10 @@ def log_finals(runs: list[dict], log: RunLog) -> None:
 
 
 def train_all(cfg: LMPrecisionConfig, run: Run, data: LMData) -> list[dict]:
-    """Every setup with the main seed, and the reference with --noise-seeds other seeds."""
-    jobs = [(s, run.seed, "main") for s in cfg.setups]
-    if REFERENCE in cfg.setups:
-        jobs += [(REFERENCE, run.seed + i, "noise") for i in range(1, cfg.noise_seeds + 1)]
+    """Every setup from --seeds init seeds: the main one (--seed), then its reruns."""
+    jobs = [
+        (s, run.seed + i, "rerun" if i else "main") for i in range(cfg.seeds) for s in cfg.setups
+    ]
     with tqdm(jobs, desc="runs", unit="run") as bar:  # closed before an error is printed
         return [train_run(s, seed, role, cfg, run, data) for s, seed, role in bar]
 
@@ -376,8 +375,9 @@ def print_runs(runs: list[dict], cfg: LMPrecisionConfig, run: Run) -> None:
           "curve_gap_ref": r.get("curve_gap_to_reference"),
           "within_noise": r.get("within_noise")} for r in runs],
         title=f"Training, {cfg.steps} steps per run, on {run.where} (log: {run.log.path}); "
-        f"noise = reference rerun with other seeds",
+        f"noise = the reference's reruns with other seeds",
     )  # fmt: skip
+    print_table(spread(runs, "setup", ("heldout_loss", "heldout_accuracy", "diverged")), title=f"Per setup over {cfg.seeds} seeds (held-out figures of runs that did not diverge; diverged_mean: their share)")  # fmt: skip
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from effdl.tables import (
     missing_as_text,
     signed_gap,
     split_unmeasured,
+    spread,
 )
 
 
@@ -41,3 +42,16 @@ def test_split_unmeasured_drops_only_columns_without_any_value():
     df = pd.DataFrame({"time": [1.0, 2.0], "peak": [math.nan, None], "ratio": [math.nan, 0.5]})
     shown, empty = split_unmeasured(df)
     assert list(shown.columns) == ["time", "ratio"] and empty == ["peak"]
+
+
+def test_spread_over_repeats_skips_unmeasured_values():
+    rows = [
+        {"setup": "a", "loss": 2.0, "diverged": False},
+        {"setup": "b", "loss": float("nan"), "diverged": True},
+        {"setup": "a", "loss": 4.0, "diverged": True},
+        {"setup": "a", "loss": None, "diverged": False},
+    ]
+    a, b = spread(rows, "setup", ("loss", "diverged"))
+    assert a == {"setup": "a", "n": 3, "loss_mean": 3.0, "loss_min": 2.0, "loss_max": 4.0,
+                 "diverged_mean": 1 / 3, "diverged_min": 0.0, "diverged_max": 1.0}  # fmt: skip
+    assert b["n"] == 1 and b["loss_mean"] is b["loss_min"] is b["loss_max"] is None

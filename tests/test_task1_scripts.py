@@ -227,3 +227,22 @@ def test_an_interrupted_lm_run_keeps_the_record_of_each_finished_run(tmp_path, m
     run = records[-1]["metrics"]
     assert run["steps_done"] == lm.QUICK.steps and not run["diverged"]
     assert math.isfinite(run["heldout_loss"]) and 0 <= run["heldout_accuracy"] <= 1
+
+
+def test_every_setup_runs_under_each_seed_and_the_reference_reruns_set_the_noise(
+    tmp_path, monkeypatch, capsys
+):
+    argv = ["--n-samples", "300", "--d-model", "16", "--seeds", "2", "--timing-reps", "0",
+            "--setups", "fp32", "torch_autocast_torch_scaler"]  # fmt: skip
+    code, err = run_script(lm, argv, tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    finals = [
+        r for r in read_records(tmp_path / "lm_precision.jsonl") if r["config"]["kind"] == "final"
+    ]
+    runs = {(r["variant"], r["config"]["seed"], r["config"]["role"]): r["metrics"] for r in finals}
+    assert set(runs) == {(s, seed, role) for s in ("fp32", lm.REFERENCE)
+                         for seed, role in ((0, "main"), (1, "rerun"))}  # fmt: skip
+    main, rerun = runs[(lm.REFERENCE, 0, "main")], runs[(lm.REFERENCE, 1, "rerun")]
+    noise = abs(rerun["heldout_loss"] - main["heldout_loss"])
+    assert all(m["noise_heldout_loss_gap"] == noise for m in runs.values())
+    assert main["heldout_loss"] != rerun["heldout_loss"]  # another init, the same batches
