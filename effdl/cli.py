@@ -432,13 +432,19 @@ def check_failed(what: str) -> int:
 
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a script's ``main`` and exit with the code it returns (``None``: 0; a failed check:
-    1, see :func:`check_failed`); usage errors print one line to stderr and exit 2."""
+    1, see :func:`check_failed`); usage errors print one line to stderr and exit 2, a run that
+    outgrows the device's memory one line and 1."""
     prog = Path(sys.argv[0]).name
     try:
         code = main()
     except UsageError as e:
         print(f"{prog}: error: {one_line(str(e))}", file=sys.stderr)
         sys.exit(2)
+    except torch.OutOfMemoryError as e:
+        said = ". ".join(one_line(str(e)).split(". ")[:2])  # what ran out, and the request
+        print(f"{prog}: error: out of device memory ({said}); a smaller batch, sequence or "
+              "model fits", file=sys.stderr)  # fmt: skip
+        sys.exit(1)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)

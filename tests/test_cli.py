@@ -305,3 +305,24 @@ def test_a_failed_check_is_one_line_on_stderr_and_exit_code_1(monkeypatch, capsy
         run_main(lambda: check_failed("the gap\n  is 0.2 nats"))
     assert e.value.code == 1
     assert capsys.readouterr() == ("", "script.py: failed: the gap is 0.2 nats\n")
+
+
+def test_running_out_of_device_memory_is_one_line_and_exit_code_1(monkeypatch, capsys):
+    from effdl.cli import run_main
+
+    def outgrows():
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB"
+            "\nof which 1.5 GiB is free."
+        )
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as e:
+        run_main(outgrows)
+    assert e.value.code == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "train.py: error: out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB); "
+        "a smaller batch, sequence or "
+        "model fits"
+    ]
