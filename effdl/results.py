@@ -72,8 +72,14 @@ def _gpu_id() -> str | None:
     return hashlib.sha256(uuid.encode()).hexdigest()[:8]
 
 
-def environment() -> dict[str, str | int | None]:
-    """Where a measurement was taken: GPU name and tag (or CPU), versions, git sha, UTC time."""
+# environment variables that change how a run computes or communicates (NCCL's algorithms and
+# channels, the CUDA allocator), recorded with every measurement taken under them
+SETTINGS_PREFIXES = ("NCCL_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_SYMM_MEM_")
+
+
+def environment() -> dict[str, Any]:
+    """Where a measurement was taken: GPU name and tag (or CPU), versions, git sha, UTC time,
+    and the environment ``settings`` (see :data:`SETTINGS_PREFIXES`) that were set."""
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "gpu_id": _gpu_id(),
@@ -84,6 +90,9 @@ def environment() -> dict[str, str | int | None]:
         "python": platform.python_version(),
         "git_sha": _git_sha(),
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTINGS_PREFIXES)
+        },
     }
 
 

@@ -145,6 +145,18 @@ def test_environment_describes_this_process(monkeypatch):
         assert env["git_sha"].removesuffix("-dirty") == head
 
 
+def test_environment_records_the_nccl_and_allocator_settings_that_are_set(monkeypatch):
+    from effdl.results import environment
+
+    monkeypatch.setenv("NCCL_MAX_CTAS", "8")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("NCCLX_UNRELATED", "1")
+    settings = environment()["settings"]
+    assert settings["NCCL_MAX_CTAS"] == "8"
+    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "NCCLX_UNRELATED" not in settings
+
+
 def test_environment_sha_override(monkeypatch):
     from effdl.results import environment
 
