@@ -126,6 +126,18 @@ def device_from_arg(arg: str) -> torch.device:
     return dev
 
 
+def require_cuda(arg: str, what: str) -> torch.device:
+    """The CUDA device ``--device`` ``arg`` names (``auto``: the current one), or a UsageError
+    saying that ``what`` (a script whose numbers are GPU times: CUDA events, kernel times) has
+    nothing to measure on a CPU."""
+    if not torch.cuda.is_available():
+        raise UsageError(f"{what} needs CUDA; this machine has none")
+    dev = device_from_arg(arg)
+    if dev.type != "cuda":
+        raise UsageError(f"--device {arg}: {what} needs CUDA")
+    return dev
+
+
 def require_path(path: Path, what: str, flag: str) -> Path:
     """Fail with a one-line error unless ``path`` exists; ``what`` says what was expected there."""
     if not path.exists():

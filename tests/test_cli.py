@@ -57,6 +57,15 @@ def test_device_from_arg_rejects_garbage():
         device_from_arg("tpu:banana")
 
 
+def test_require_cuda_refuses_a_cpu_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match=r"^the probe needs CUDA; this machine has none$"):
+        cli.require_cuda("auto", "the probe")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UsageError, match=r"^--device cpu: the probe needs CUDA$"):
+        cli.require_cuda("cpu", "the probe")
+
+
 def test_resolve_device():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
