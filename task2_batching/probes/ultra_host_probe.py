@@ -4,28 +4,40 @@ Same loader as mock_epoch (ULTRA, k=5, max_tokens 40960, 6 workers), ``--batches
 variant after a warm-up, host time split per batch: DataLoader wait, lm_inputs, copies, forward
 launch. Variants change one thing each: what is copied, who pins, the GIL switch interval;
 "preloaded" launches the same batches already on the GPU (the floor). The base loop is run once
-more under cProfile (its statistics are printed, its times logged).
+more under cProfile (its statistics are printed, its times logged). Needs CUDA (the split is
+measured against the GPU's forwards); ``--quick`` is a short smoke run on the GPU.
 
 Writes one record per variant to ``--out/ultra_host.jsonl``: ``wall_s`` and ``gpu_s`` (summed
 forward times) of the timed batches, ``wall_over_gpu``, and per batch the mean ``wait_ms``,
 ``inputs_ms``, ``copy_ms``, ``fwd_ms`` (launch), their sum ``host_ms``, and ``gpu_ms``.
+
+    python task2_batching/probes/ultra_host_probe.py --out runs/task2/probes
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import itertools
 import pstats
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from effdl.amp.precision import forward_precision
+from effdl.cli import (
+    ConfigFlags,
+    UsageError,
+    base_parser,
+    require_cuda,
+    require_positive,
+    run_main,
+    start_run,
+)
 from effdl.data.pipelines import make_loader
 from effdl.data.tokenize import prepare_wikitext_ids
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
@@ -34,14 +46,46 @@ from effdl.profiling.timing import RegionTimer
 from effdl.results import RunLog
 
 LOADER = {"pipeline": "ultra", "k": 5, "max_tokens": 40960, "num_workers": 6}
-MAX_LENGTH, WARMUP_BATCHES = 640, 10
+MAX_LENGTH = 640
+
+
+@dataclass
+class ProbeConfig:
+    """Batches per variant; the defaults are the GPU experiment."""
+
+    batches: int = 800  # timed batches per variant
+    warmup_batches: int = 10
+
+    def validate(self) -> None:
+        require_positive(self, "batches")
+        require_positive(self, "warmup_batches", minimum=0)
+
+
+FULL = ProbeConfig()
+QUICK = ProbeConfig(batches=50, warmup_batches=5)
+
+
+def split_metrics(wall: float, gpu: list[float], split: dict[str, list[float]]) -> dict:
+    """A variant's record metrics from the wall seconds of its timed batches, each batch's
+    forward on the GPU (seconds) and the host seconds of each region (``split``) per batch."""
+    metrics = {"wall_s": wall, "gpu_s": sum(gpu), "wall_over_gpu": wall / sum(gpu)}
+    metrics.update({f"{k}_ms": 1e3 * float(np.mean(v)) for k, v in split.items()})
+    metrics["host_ms"] = sum(metrics[f"{k}_ms"] for k in split)
+    metrics["gpu_ms"] = 1e3 * sum(gpu) / len(gpu)
+    return metrics
+
+
+def log_variants(log: RunLog, cfg: ProbeConfig, variants: dict[str, Callable[[], dict]]) -> list:
+    """Measure each variant in turn and log its metrics; returns the records."""
+    config = {**LOADER, "batches": cfg.batches, "warmup_batches": cfg.warmup_batches}
+    return [log.log(name, config, measure()) for name, measure in variants.items()]
 
 
 class Probe:
     """The corpus, the model and the forward context shared by every variant."""
 
-    def __init__(self, device: torch.device, batches: int) -> None:
-        self.device, self.batches = device, batches
+    def __init__(self, device: torch.device, cfg: ProbeConfig) -> None:
+        self.device, self.batches, self.warmup = device, cfg.batches, cfg.warmup_batches
         self.corpus, vocab, _ = prepare_wikitext_ids(
             None,
             quick=False,
@@ -54,6 +98,10 @@ class Probe:
         config = GPTLikeConfig(vocab_size=len(vocab), max_length=MAX_LENGTH)
         self.model = GPTLikeModel(config).to(device).eval()
         self.autocast = forward_precision(device, "bf16")
+        epoch = sum(1 for _ in self.loader(pin=False).batch_sampler)
+        if self.warmup + self.batches > epoch:
+            raise UsageError(f"--batches {self.batches} --warmup-batches {self.warmup}: "
+                             f"an epoch of this loader has {epoch} batches")  # fmt: skip
 
     def loader(self, pin: bool = True):
         return make_loader(
@@ -79,7 +127,7 @@ class Probe:
         timer = RegionTimer(dev)
         with torch.inference_mode(), self.autocast():
             it = iter(self.loader(pin))
-            for _ in range(WARMUP_BATCHES):
+            for _ in range(self.warmup):
                 model.features(**lm_inputs(next(it)).to(dev).model_kwargs)
             torch.cuda.synchronize()
             if profile:
@@ -118,11 +166,7 @@ class Probe:
                 profile.disable()
         sys.setswitchinterval(old)
         del it
-        metrics = {"wall_s": wall, "gpu_s": sum(gpu), "wall_over_gpu": wall / sum(gpu)}
-        metrics.update({f"{k}_ms": 1e3 * float(np.mean(v)) for k, v in split.items()})
-        metrics["host_ms"] = sum(metrics[f"{k}_ms"] for k in split)
-        metrics["gpu_ms"] = 1e3 * sum(gpu) / self.batches
-        return metrics
+        return split_metrics(wall, gpu, split)
 
     def preloaded(self) -> dict:
         """The same batches copied to the GPU first: only the forward's launch is timed."""
@@ -131,16 +175,16 @@ class Probe:
             it = iter(self.loader())
             kws = [
                 lm_inputs(b).to(dev).model_kwargs
-                for b in itertools.islice(it, WARMUP_BATCHES + self.batches)
+                for b in itertools.islice(it, self.warmup + self.batches)
             ]
             del it
-            for kw in kws[:WARMUP_BATCHES]:
+            for kw in kws[: self.warmup]:
                 model.features(input_ids=kw["input_ids"])
             torch.cuda.synchronize()
             timer = RegionTimer(dev)
             launch = []
             start = time.perf_counter()
-            for kw in kws[WARMUP_BATCHES:]:
+            for kw in kws[self.warmup :]:
                 t0 = time.perf_counter()
                 timer.start()
                 model.features(input_ids=kw["input_ids"])
@@ -148,15 +192,20 @@ class Probe:
                 launch.append(time.perf_counter() - t0)
             gpu = timer.times()
             wall = time.perf_counter() - start
-        fwd_ms = 1e3 * float(np.mean(launch))
-        return {
-            "wall_s": wall,
-            "gpu_s": sum(gpu),
-            "wall_over_gpu": wall / sum(gpu),
-            "fwd_ms": fwd_ms,
-            "host_ms": fwd_ms,
-            "gpu_ms": 1e3 * sum(gpu) / self.batches,
-        }
+        return split_metrics(wall, gpu, {"fwd": launch})
+
+
+def variants(probe: Probe, prof: cProfile.Profile) -> dict[str, Callable[[], dict]]:
+    """The variants in the order they run, each changing one thing of the base loop."""
+    return {
+        "base (mock_epoch loop)": lambda: probe.loop(),
+        "ids only": lambda: probe.loop(what="ids"),
+        "ids only, main-thread pin": lambda: probe.loop(pin=False, what="ids", main_pin=True),
+        "base, switchinterval 0.2ms": lambda: probe.loop(switch=2e-4),
+        "ids only, switchinterval 0.2ms": lambda: probe.loop(what="ids", switch=2e-4),
+        "preloaded": probe.preloaded,
+        "base under cProfile": lambda: probe.loop(profile=prof),
+    }
 
 
 def print_profile(prof: cProfile.Profile) -> None:
@@ -167,32 +216,25 @@ def print_profile(prof: cProfile.Profile) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", type=int, default=800, help="timed batches per variant")
-    p.add_argument("--out", type=Path, default=Path("runs/task2/probes"), help="log folder")
+    p = base_parser(__doc__.splitlines()[0], default_out="runs/task2/probes")
+    flags = ConfigFlags(p, FULL, QUICK)
+    flags.add("batches", type=int, help="timed batches per variant")
+    flags.add("warmup_batches", type=int, help="untimed batches before them")
     args = p.parse_args()
-    log = RunLog(args.out / "ultra_host.jsonl", task="task2_ultra_host", create=True)
-    probe = Probe(torch.device("cuda"), args.batches)
+    cfg = flags.resolve(args)
+    require_cuda(args.device, "the ULTRA host-time probe")
+    run = start_run(args, task="task2_ultra_host", logs="ultra_host.jsonl")
+    probe = Probe(run.device, cfg)
     prof = cProfile.Profile()
-    variants = [
-        ("base (mock_epoch loop)", lambda: probe.loop()),
-        ("ids only", lambda: probe.loop(what="ids")),
-        ("ids only, main-thread pin", lambda: probe.loop(pin=False, what="ids", main_pin=True)),
-        ("base, switchinterval 0.2ms", lambda: probe.loop(switch=2e-4)),
-        ("ids only, switchinterval 0.2ms", lambda: probe.loop(what="ids", switch=2e-4)),
-        ("preloaded", probe.preloaded),
-        ("base under cProfile", lambda: probe.loop(profile=prof)),
-    ]
-    config = {**LOADER, "batches": args.batches, "warmup_batches": WARMUP_BATCHES}
-    records = [log.log(name, config, measure()) for name, measure in variants]
+    records = log_variants(run.log, cfg, variants(probe, prof))
     print_profile(prof)
     print(
-        f"ULTRA k{LOADER['k']} max_tokens {LOADER['max_tokens']}, {args.batches} batches per "
-        f"variant, {log.env['gpu']}"
+        f"ULTRA k{LOADER['k']} max_tokens {LOADER['max_tokens']}, {cfg.batches} batches per "
+        f"variant, {run.where}"
     )
     for r in records:
         print(r["variant"], " ".join(f"{k} {v:.3f}" for k, v in r["metrics"].items()))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
