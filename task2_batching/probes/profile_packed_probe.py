@@ -75,14 +75,9 @@ class Batches:
 
     def __init__(self, cfg: ProbeConfig, device: torch.device, seed: int) -> None:
         self.cfg, self.device = cfg, device
-        self.corpus, vocab, _ = prepare_wikitext_ids(
-            None,
-            quick=False,
-            seed=0,
-            cache="runs/cache/wt103_full.npz",
-            max_length=MAX_LENGTH,
-            overflow="truncate",
-        )
+        # the generated WikiText-like corpus (seed 0) that mock_epoch.py reads, cut to MAX_LENGTH
+        cache = "runs/cache/wt103_full.npz"
+        self.corpus, vocab, _ = prepare_wikitext_ids(None, cache=cache, max_length=MAX_LENGTH)
         self.vocab_size, self.pad_id = len(vocab), vocab.pad_id
         self.models = {}
         for attention in ("flex", "dense"):

@@ -86,14 +86,9 @@ class Probe:
 
     def __init__(self, device: torch.device, cfg: ProbeConfig) -> None:
         self.device, self.batches, self.warmup = device, cfg.batches, cfg.warmup_batches
-        self.corpus, vocab, _ = prepare_wikitext_ids(
-            None,
-            quick=False,
-            seed=0,
-            cache="runs/cache/wt103_full.npz",
-            max_length=MAX_LENGTH,
-            overflow="truncate",
-        )
+        # the generated WikiText-like corpus (seed 0) that mock_epoch.py reads, cut to MAX_LENGTH
+        cache = "runs/cache/wt103_full.npz"
+        self.corpus, vocab, _ = prepare_wikitext_ids(None, cache=cache, max_length=MAX_LENGTH)
         self.pad_id = vocab.pad_id
         config = GPTLikeConfig(vocab_size=len(vocab), max_length=MAX_LENGTH)
         self.model = GPTLikeModel(config).to(device).eval()
