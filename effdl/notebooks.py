@@ -1,7 +1,7 @@
 """Execute the report notebooks against a results folder and write executed copies and HTML.
 
-    python -m effdl.notebooks --results runs --out runs/reports           # fresh demo logs
-    python -m effdl.notebooks --results reports/results --in-place        # committed GPU logs
+    python3 -m effdl.notebooks --results runs --out runs/reports           # fresh demo logs
+    python3 -m effdl.notebooks --results reports/results --in-place        # committed GPU logs
 
 The results folder reaches each notebook through ``$EFFDL_RESULTS`` (read with
 :func:`effdl.results.results_dir`); notebooks run with ``reports/`` as working directory.

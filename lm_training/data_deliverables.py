@@ -6,8 +6,8 @@
 4. The exact parameter count of the seed's 8B configuration, built on the meta device (nothing
    allocated), from the model and from the closed-form formula.
 
-    python lm_training/data_deliverables.py --quick                 # stdlib corpus, small batch
-    python lm_training/data_deliverables.py --data train_data.parquet --tokenizer TOKENIZER_DIR
+    python3 lm_training/data_deliverables.py --quick                 # stdlib corpus, small batch
+    python3 lm_training/data_deliverables.py --data train_data.parquet --tokenizer TOKENIZER_DIR
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ variant's Python and launches cost. ``graph`` (CUDA only): the same forward+back
 once in a CUDA graph and replayed ``--graph-replays`` times between two events, in interleaved
 rounds: the kernels' own time, what the bandwidth fraction is about.
 
-    python lm_training/layer_norm_benchmark.py --quick          # CPU: the PyTorch paths, seconds
-    python lm_training/layer_norm_benchmark.py --device cuda    # the full grid
+    python3 lm_training/layer_norm_benchmark.py --quick          # CPU: the PyTorch paths, seconds
+    python3 lm_training/layer_norm_benchmark.py --device cuda    # the full grid
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ the same documents per step (the same real tokens; padding never counts) for the
 steps: ``--warmup-steps`` untimed, then the timed steps, then ``--profile-steps`` under
 torch.profiler (a gzipped Chrome trace per stage in ``--trace-dir``, Perfetto-viewable).
 
-    python lm_training/speedup_stages.py --quick                  # CPU: tiny model, seconds
-    python lm_training/speedup_stages.py --device cuda            # d 1024, seq 640, all stages
-    python lm_training/speedup_stages.py --device cuda --stage 3  # one stage (cumulative config)
+    python3 lm_training/speedup_stages.py --quick                  # CPU: tiny model, seconds
+    python3 lm_training/speedup_stages.py --device cuda            # d 1024, seq 640, all stages
+    python3 lm_training/speedup_stages.py --device cuda --stage 3  # one stage (cumulative config)
 
 Data: the standard-library corpus (``effdl.data.stdlib_text``) cut into paragraphs (blocks
 between blank lines, a heavy-tailed length distribution like WikiText's lines), BPE-tokenized

@@ -6,8 +6,8 @@ bf16 parameters with fp32 masters in the optimizer, or FSDP2's mixed precision),
 per-block torch.compile, packed or padded data, and one or more processes (DDP or FSDP2 under
 torchrun). Warm-up + cosine LR, gradient clipping, held-out loss.
 
-    python lm_training/train.py --quick                                    # CPU smoke run
-    python lm_training/train.py --model 1b --fused-optimizer --compile     # one GPU
+    python3 lm_training/train.py --quick                                    # CPU smoke run
+    python3 lm_training/train.py --model 1b --fused-optimizer --compile     # one GPU
     torchrun --nproc-per-node 2 lm_training/train.py --model 1b --parallel fsdp --precision fsdp-mp
 
 Per step: loss, LR, gradient norm, tokens/s, TFLOP/s per GPU, MFU against the datasheet bf16

@@ -23,8 +23,8 @@ TFLOP/s is set against a dense GEMM ceiling measured in the same run; a variant'
 FLOPs at that ceiling plus its elementwise bytes at the measured copy bandwidth. Its GEMMs per
 layer and step are counted before anything is timed (:func:`gemm_counts`) and logged with it.
 
-    python swiglu_checkpoint/benchmark.py --quick --device cpu     # smoke run on a CPU
-    python swiglu_checkpoint/benchmark.py --device cuda            # full grid
+    python3 swiglu_checkpoint/benchmark.py --quick --device cpu     # smoke run on a CPU
+    python3 swiglu_checkpoint/benchmark.py --device cuda            # full grid
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Dense GEMM throughput (TFLOP/s) per dtype and device-to-device copy bandwidth (G
 device at hand. Reports divide achieved FLOP/s and bytes/s by these measured values rather than
 by datasheet peaks. Also the project's example of the task-script conventions.
 
-    python swiglu_checkpoint/gpu_ceilings.py --quick          # CPU smoke run
-    python swiglu_checkpoint/gpu_ceilings.py --device cuda    # on a machine with a GPU
+    python3 swiglu_checkpoint/gpu_ceilings.py --quick          # CPU smoke run
+    python3 swiglu_checkpoint/gpu_ceilings.py --device cuda    # on a machine with a GPU
 """
 
 from __future__ import annotations

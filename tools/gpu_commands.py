@@ -372,7 +372,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     # -- one GPU: lm_training/README.md's study
     GpuCommand(
         "lm-1b",
-        "python lm_training/train.py --model 1b",
+        "python3 lm_training/train.py --model 1b",
         f"python3 lm_training/train.py --model 125m {LM} --out {{out}}",
         30,
         TOKENS,
@@ -381,7 +381,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     # seed 002's deliverable 5: each setting alone against the baseline's batch
     GpuCommand(
         "lm-1b-fused-only",
-        "python lm_training/train.py --model 1b --fused-optimizer",
+        "python3 lm_training/train.py --model 1b --fused-optimizer",
         f"python3 lm_training/train.py --model 125m --fused-optimizer {LM} --out {{out}}",
         30,
         TOKENS,
@@ -389,7 +389,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-1b-compile-only",
-        "python lm_training/train.py --model 1b --compile",
+        "python3 lm_training/train.py --model 1b --compile",
         f"python3 lm_training/train.py --model 125m --compile {LM} --out {{out}}",
         60,
         TOKENS,
@@ -397,7 +397,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-1b-seq4096",
-        "python lm_training/train.py --model 1b --sequence-length 4096",
+        "python3 lm_training/train.py --model 1b --sequence-length 4096",
         f"python3 lm_training/train.py --model 125m --sequence-length 4096 {LM} --out {{out}}",
         30,
         TOKENS,
@@ -405,7 +405,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-1b-seq4096-same-tokens",
-        "python lm_training/train.py --model 1b --sequence-length 4096 --batch-size 2",
+        "python3 lm_training/train.py --model 1b --sequence-length 4096 --batch-size 2",
         f"python3 lm_training/train.py --model 125m --sequence-length 4096 --batch-size 2 {LM} --out {{out}}",
         30,
         TOKENS,
@@ -413,7 +413,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-1b-long",
-        "python lm_training/train.py --model 1b --fused-optimizer --compile --sequence-length 4096 --batch-size 2",
+        "python3 lm_training/train.py --model 1b --fused-optimizer --compile --sequence-length 4096 --batch-size 2",
         "python3 lm_training/train.py --model 125m --fused-optimizer --compile --sequence-length 4096"
         f" --batch-size 2 {LM} --out {{out}}",
         60,
@@ -422,7 +422,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-1b-fsdp-mp",
-        "python lm_training/train.py --model 1b --parallel fsdp --precision fsdp-mp --fused-optimizer --compile",
+        "python3 lm_training/train.py --model 1b --parallel fsdp --precision fsdp-mp --fused-optimizer --compile",
         "python3 lm_training/train.py --model 125m --parallel fsdp --precision fsdp-mp"
         f" --fused-optimizer --compile {LM} --out {{out}}",
         60,
@@ -431,7 +431,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-1b-master",
-        "python lm_training/train.py --model 1b --precision master --batch-size 8 --grad-accumulation 16 --workers 8 --fused-optimizer --compile",
+        "python3 lm_training/train.py --model 1b --precision master --batch-size 8 --grad-accumulation 16 --workers 8 --fused-optimizer --compile",
         "python3 lm_training/train.py --model 125m --precision master --batch-size 8"
         f" --grad-accumulation 2 --workers 8 --fused-optimizer --compile {LM} --out {{out}}",
         60,
@@ -440,7 +440,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-1b-profile",
-        "python lm_training/train.py --model 1b --profile --steps 12",
+        "python3 lm_training/train.py --model 1b --profile --steps 12",
         f"python3 lm_training/train.py --model 125m --profile --profile-steps 2 {LM} --out {{out}}",
         40,
         TOKENS,
@@ -448,7 +448,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-125m-curve",
-        "python lm_training/train.py --model 125m --steps 600 --batch-size 16 --eval-every 50 --log-every 50",
+        "python3 lm_training/train.py --model 125m --steps 600 --batch-size 16 --eval-every 50 --log-every 50",
         "python3 lm_training/train.py --model 125m --batch-size 16 --sequence-length 256 --eval-every 3"
         f" --eval-batches 1 {LM} --out {{out}}",
         40,
@@ -457,7 +457,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
     ),
     GpuCommand(
         "lm-speedup-stages-7-8",
-        "python lm_training/speedup_stages.py --device cuda --stages 7,8",
+        "python3 lm_training/speedup_stages.py --device cuda --stages 7,8",
         "python3 lm_training/speedup_stages.py --device cuda --stages 7,8 --steps 5 --warmup-steps 1"
         f" --profile-steps 1 --tokens-per-step 4096 {STDLIB} --out {{out}}",
         45,

@@ -1,8 +1,8 @@
 """Measure the generated stand-in data sets, at the sizes of the committed GPU runs, beside the
 real data sets' published figures.
 
-    python tools/stand_in_data.py                 # full size (a few minutes on 2 CPU cores)
-    python tools/stand_in_data.py --quick         # the sizes the demo runs on
+    python3 tools/stand_in_data.py                 # full size (a few minutes on 2 CPU cores)
+    python3 tools/stand_in_data.py --quick         # the sizes the demo runs on
 
 Writes one record per (data set, statistic) (:mod:`effdl.data.stand_in`) to
 ``<out>/task1/stand_in_data.jsonl`` (the Carvana-like set of train_unet.py and the corpus sample

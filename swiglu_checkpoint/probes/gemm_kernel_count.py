@@ -7,7 +7,7 @@ counts the GEMM kernels in a torch.profiler trace (CUDA) or, on a CPU, the matmu
 execute (below autograd: the profiler's op events include the GEMM that early stop aborts after
 it was dispatched, before its kernel ran).
 
-    python swiglu_checkpoint/probes/gemm_kernel_count.py --device cuda --out runs/swiglu
+    python3 swiglu_checkpoint/probes/gemm_kernel_count.py --device cuda --out runs/swiglu
 """
 
 from __future__ import annotations

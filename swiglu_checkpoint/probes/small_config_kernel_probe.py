@@ -8,7 +8,7 @@ wall ms per step, kernel ms per step, the GPU's busy share (kernel / wall), the 
 reference's, and the eight longest kernels (microseconds per step, by name). ``--quick`` is a
 short smoke run of the first config on the GPU.
 
-    python swiglu_checkpoint/probes/small_config_kernel_probe.py --out runs/swiglu/probes
+    python3 swiglu_checkpoint/probes/small_config_kernel_probe.py --out runs/swiglu/probes
 """
 
 from __future__ import annotations
