@@ -51,7 +51,7 @@ from effdl.lm.build import (
     optimizer_and_clip,
     select_attention,
 )
-from effdl.lm.loss import accumulated_backward, evaluate, token_loss_sum
+from effdl.lm.loss import accumulated_backward, compiled_token_loss_sum, evaluate, token_loss_sum
 from effdl.lm.processes import Dist, setup_distributed, teardown_distributed
 from effdl.lm.resume import flag_problem, resume_training, save_training
 from effdl.lm.throughput import PendingSteps, Rates, measured_bf16_ceiling, summarize
@@ -287,7 +287,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
     opt, clip = optimizer_and_clip(model, cfg.precision, cfg.lr, cfg.weight_decay, cfg.fused_optimizer)  # fmt: skip
     autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"
     compute = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast)
-    loss_fn = torch.compile(token_loss_sum) if cfg.compile else token_loss_sum
+    loss_fn = compiled_token_loss_sum() if cfg.compile else token_loss_sum
 
     gpu = torch.cuda.get_device_name(d.device) if cuda else None
     rates = Rates(

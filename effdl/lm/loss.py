@@ -12,6 +12,7 @@ from torch import nn
 
 from effdl.data.labels import IGNORE_INDEX
 from effdl.lm.processes import Dist, all_reduce_sum
+from effdl.ops.chunked_cross_entropy import cross_entropy_sum
 from effdl.parallel import gradient_sync
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -19,10 +20,20 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy in fp32 over labels that are not ``IGNORE_INDEX``;
-    ``logits`` (B, S, V), ``labels`` (B, S)."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    ``logits`` (B, S, V), ``labels`` (B, S). The softmax runs in chunks of tokens, so no fp32
+    copy of the whole logits is made (eager runs)."""
+    return cross_entropy_sum(logits.flatten(0, 1), labels.flatten(), ignore=IGNORE_INDEX)
+
+
+def compiled_token_loss_sum() -> LossFn:
+    """:func:`token_loss_sum` for compiled runs: ``torch.compile`` of the plain upcast loss,
+    whose upcast and softmax inductor fuses into its own kernels."""
+
+    def plain(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        upcast = logits.flatten(0, 1).float()
+        return F.cross_entropy(upcast, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+    return torch.compile(plain)
 
 
 def accumulated_backward(
