@@ -36,12 +36,13 @@ class _CrossEntropySum(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk):
             lab = labels[s : s + ctx.chunk]
-            target = lab.clamp(min=0).unsqueeze(1)
-            # d(sum of losses)/d(logits) = softmax - onehot, for the labels that count
-            probs = torch.sub(logits[s : s + ctx.chunk].to(lse.dtype), lse[s : s + ctx.chunk, None])
-            probs.exp_().scatter_add_(1, target, -torch.ones_like(target, dtype=probs.dtype))
-            probs.mul_((lab != ctx.ignore).unsqueeze(1) * grad_out)
-            grad[s : s + ctx.chunk] = probs
+            valid = (lab != ctx.ignore).unsqueeze(1)
+            # d(sum of losses)/d(logits) = softmax - onehot on the labels that count; an
+            # ignored token's log-sum-exp is made infinite so that its softmax row is zero
+            lse_rows = lse[s : s + ctx.chunk, None].masked_fill(~valid, float("inf"))
+            probs = torch.sub(logits[s : s + ctx.chunk], lse_rows).exp_()  # fp32 at least
+            probs.scatter_add_(1, lab.clamp(min=0).unsqueeze(1), -valid.to(probs.dtype))
+            torch.mul(probs, grad_out, out=grad[s : s + ctx.chunk])
         return grad, None, None, None
 
 
