@@ -114,5 +114,6 @@ def test_cuda_bf16_matches_and_keeps_no_fp32_copy() -> None:
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-2)
     torch.testing.assert_close(grad, ref_grad, **TOL[torch.bfloat16])
     logits_bytes = n * v * 2
-    assert ours <= 2 * logits_bytes  # gradient + one fp32 chunk (1/8 of the logits here, x2)
-    assert theirs >= 4 * logits_bytes  # fp32 log-softmax + fp32 gradient
+    # ours: the gradient and one fp32 chunk; theirs: an fp32 copy and an fp32 log-softmax
+    assert ours <= 2 * logits_bytes, (ours, theirs, logits_bytes)
+    assert theirs >= 3 * logits_bytes, (ours, theirs, logits_bytes)
