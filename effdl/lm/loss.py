@@ -12,7 +12,7 @@ from torch import nn
 
 from effdl.data.labels import IGNORE_INDEX
 from effdl.lm.processes import Dist, all_reduce_sum
-from effdl.ops.chunked_cross_entropy import cross_entropy_sum
+from effdl.ops.cross_entropy import cross_entropy_sum
 from effdl.parallel import gradient_sync
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -1,4 +1,4 @@
-"""cross_entropy_sum against F.cross_entropy on fp32-upcast logits, and autograd's gradcheck.
+"""cross_entropy_sum (Triton kernels on CUDA, torch ops elsewhere) against F.cross_entropy on fp32-upcast logits, and autograd's gradcheck.
 
 Reference: ``F.cross_entropy(logits.to(fp32 at least), labels, reduction="sum")``, the path the
 op replaces; loss and the gradient w.r.t. the logits (in the logits' dtype) are compared.
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from effdl.ops.chunked_cross_entropy import cross_entropy_sum
+from effdl.ops.cross_entropy import cross_entropy_sum
+from tests.triton_interpreter import assert_kernels_ok_in_interpreter
 
 N_TOKENS, VOCAB = 37, 50
 TOL = {
@@ -87,6 +88,35 @@ def test_chunk_tokens_must_be_positive() -> None:
     logits, labels = make_inputs(torch.float32)
     with pytest.raises(ValueError, match="chunk_tokens must be positive, got 0"):
         cross_entropy_sum(logits, labels, chunk_tokens=0)
+
+
+# The Triton kernels under the CPU interpreter: several loop steps per row (block 16, vocabulary
+# 50), ignored rows, fp32 and bf16 logits, against the torch path of the same op.
+_INTERPRETED_KERNEL_CHECK = """
+import torch
+from effdl.ops import cross_entropy_triton as k
+from effdl.ops.cross_entropy import cross_entropy_sum
+g = torch.Generator().manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+    logits = (3 * torch.randn(37, 50, generator=g)).to(dtype)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[[0, 20]] = -100
+    loss, lse = k.forward(logits, labels, -100, block=16)
+    x = logits.clone().requires_grad_()
+    ref = cross_entropy_sum(x, labels, chunk_tokens=8)
+    (ref * 0.3).backward()
+    torch.testing.assert_close(loss.sum(), ref.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), 1), rtol=1e-5, atol=1e-5)
+    assert loss[0] == 0 and loss[20] == 0
+    grad = k.backward(logits, labels, lse, torch.tensor(0.3), -100, block=16)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad, x.grad, rtol=tol, atol=tol)
+print("kernels ok")
+"""
+
+
+def test_triton_kernels_match_the_torch_path_in_the_interpreter() -> None:
+    assert_kernels_ok_in_interpreter(_INTERPRETED_KERNEL_CHECK)
 
 
 @pytest.mark.gpu
