@@ -318,6 +318,15 @@ COMMANDS: tuple[GpuCommand, ...] = (
         Headline("fused", "gb_per_s", "GB/s"),
     ),
     GpuCommand(
+        "lm-loss-kernels",
+        "python3 lm_training/probes/loss_kernels.py --device cuda",
+        "python3 lm_training/probes/loss_kernels.py --device cuda --tokens 1024 --vocab 32768"
+        " --iters 3 --out {out}",
+        90,
+        Headline("effdl", "median_ms", "ms"),
+        readme="lm_training/README.md",
+    ),
+    GpuCommand(
         "lm-speedup-stages",
         "python3 lm_training/speedup_stages.py --device cuda --out runs/lm",
         "python3 lm_training/speedup_stages.py --device cuda --steps 5 --warmup-steps 1 --profile-steps 1"
