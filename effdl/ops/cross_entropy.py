@@ -46,6 +46,12 @@ class _CrossEntropySum(torch.autograd.Function):
             loss, lse = cross_entropy_triton.forward(logits, labels, ignore)
             ctx.save_for_backward(logits, labels, lse)
             return loss.sum()
+        counted = labels[labels != ignore]
+        if len(counted) and (counted.min() < 0 or counted.max() >= logits.shape[1]):
+            raise ValueError(
+                f"labels must be in [0, {logits.shape[1]}) or {ignore}; got "
+                f"{counted.min().item()} to {counted.max().item()}"
+            )
         acc = torch.promote_types(logits.dtype, torch.float32)
         total = torch.zeros((), dtype=acc, device=logits.device)
         for s in range(0, logits.shape[0], chunk):
@@ -83,7 +89,8 @@ def cross_entropy_sum(
     """Summed cross-entropy of ``logits`` (N, V) against ``labels`` (N,) int64, skipping
     ``ignore``; softmax and sums in fp32 at least (fp64 for fp64 logits), the gradient in the
     logits' dtype. Extra memory: N fp32 values on CUDA, one ``chunk_tokens x V`` fp32 chunk
-    on the torch path."""
+    on the torch path. A label outside ``[0, V)`` (not ``ignore``) is a ValueError on the
+    torch path and makes the loss NaN in the Triton kernels (checking would wait for the GPU)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     return _CrossEntropySum.apply(logits, labels, chunk_tokens, ignore)

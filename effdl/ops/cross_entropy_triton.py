@@ -33,8 +33,11 @@ def _forward_kernel(
     lse = m + tl.log(s)
     label = tl.load(labels_ptr + row)
     valid = label != ignore
-    picked = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+    in_range = (label >= 0) & (label < V)
+    picked = tl.load(base + tl.where(valid & in_range, label, 0)).to(tl.float32)
+    loss = tl.where(valid, lse - picked, 0.0)
+    # a label outside the vocabulary makes the loss NaN instead of reading past the row
+    tl.store(loss_ptr + row, tl.where(valid & ~in_range, float("nan"), loss))
     tl.store(lse_ptr + row, lse)
 
 

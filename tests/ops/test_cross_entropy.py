@@ -84,6 +84,14 @@ def test_no_grad_gives_the_loss() -> None:
     torch.testing.assert_close(loss, reference(logits, labels)[0].detach(), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("bad", [-1, VOCAB])
+def test_a_label_outside_the_vocabulary_is_refused(bad: int) -> None:
+    logits, labels = make_inputs(torch.float32)
+    labels[3] = bad
+    with pytest.raises(ValueError, match=rf"labels must be in \[0, {VOCAB}\) or -100; got"):
+        cross_entropy_sum(logits, labels)
+
+
 def test_chunk_tokens_must_be_positive() -> None:
     logits, labels = make_inputs(torch.float32)
     with pytest.raises(ValueError, match="chunk_tokens must be positive, got 0"):
@@ -111,6 +119,9 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
     grad = k.backward(logits, labels, lse, torch.tensor(0.3), -100, block=16)
     assert grad.dtype == dtype
     torch.testing.assert_close(grad, x.grad, rtol=tol, atol=tol)
+labels[3] = 50  # outside the vocabulary: NaN, not a read past the row
+loss, _ = k.forward(logits, labels, -100, block=16)
+assert loss[3].isnan() and not loss[4].isnan()
 print("kernels ok")
 """
 
