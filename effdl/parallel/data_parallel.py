@@ -40,7 +40,8 @@ def wrap_model(
     """``model`` (on ``device``, the same weights on every rank) made ready for data-parallel
     training on ``world`` ranks: each block of ``model.layers`` compiled (``compile_blocks``),
     then wrapped in DDP (``parallel="ddp"``) or sharded with FSDP2 (``"fsdp"``: ``fully_shard``
-    per block, then the root); ``"none"`` returns it unwrapped. Mutates ``model`` (compilation,
+    per part of ``model.init_parts()``: the embedding, each block, the final norm with the head;
+    then the root); ``"none"`` returns it unwrapped. Mutates ``model`` (compilation,
     FSDP2's sharding in place); returns the module to train.
 
     A ``model`` on the meta device (its parameters unallocated) is materialised on ``device``
@@ -95,14 +96,13 @@ def _materialize_parts(
     model: nn.Module, device: torch.device, seed: int, shard: Callable[[nn.Module], None] | None
 ) -> None:
     """Allocate and initialise the meta ``model``'s parts one by one in fp32 from ``seed``,
-    calling ``shard`` on each block once it is initialised."""
-    blocks = {id(b) for b in model.layers}
+    calling ``shard`` on each part once it is initialised."""
     torch.manual_seed(seed)
     for part, init in model.init_parts():
         part.to(dtype=torch.float32)
         part.to_empty(device=device)
         init()
-        if shard is not None and id(part) in blocks:
+        if shard is not None:
             shard(part)
     model.init_buffers(device)
 
@@ -171,11 +171,21 @@ def _fully_shard(
         else MixedPrecisionPolicy()
     )
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy)
+
+    def shard_part(part: nn.Module) -> None:
+        # The final norm and the head come as a ModuleList, which has no forward of its own:
+        # sharded as one group of modules, kept gathered from forward to backward, whose
+        # gradients are reduced while the blocks' backward runs.
+        if isinstance(part, nn.ModuleList):
+            shard(list(part), reshard_after_forward=False)
+        else:
+            shard(part)
+
     if init_seed is None:
-        for block in model.layers:
-            shard(block)
+        for part, _ in model.init_parts():
+            shard_part(part)
     else:
-        _materialize_parts(model, device, init_seed, shard)
+        _materialize_parts(model, device, init_seed, shard_part)
     shard(model)
 
 

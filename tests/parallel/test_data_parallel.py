@@ -125,14 +125,12 @@ def data_parallel_losses(
 )
 def test_training_equals_one_process_on_the_whole_batch(parallel, from_meta):
     results = spawn(data_parallel_losses, 2, parallel, "cpu", from_meta)
-    if from_meta and parallel == "fsdp":  # a block is sharded before the next one is allocated
+    if from_meta and parallel == "fsdp":  # each part is sharded before the next is allocated
         block = sum(p.numel() for p in build(torch.device("cpu")).layers[0].parameters())
         head = ARGS.dim + ARGS.vocab_size * ARGS.dim  # the final norm and the output
         embedding = ARGS.vocab_size * ARGS.dim
         for got in results:
-            assert got["whole"] == [embedding] + [embedding + block] * ARGS.n_layers + [
-                embedding + head
-            ]
+            assert got["whole"] == [embedding] + [block] * ARGS.n_layers + [head]
     for rank, got in enumerate(results):
         assert got["reference"][-1] < 0.8 * got["reference"][0]  # not a flat comparison
         torch.testing.assert_close(
@@ -227,3 +225,20 @@ def test_wrap_model_refuses_what_it_cannot_do():
 def test_gradient_sync_does_nothing_to_a_plain_module():
     for last in (False, True):
         assert isinstance(gradient_sync(nn.Linear(2, 2), last), nullcontext)
+
+
+def fsdp_units(rank: int, world: int) -> dict[str, bool]:
+    """Which of the model's parts ``wrap_model`` made FSDP2 modules of their own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = wrap_model(build_on_meta(ARGS), "fsdp", False, False, torch.device("cpu"), world, init_seed=0)  # fmt: skip
+    parts = {"embedding": model.tok_embeddings, "block": model.layers[0], "norm": model.norm,
+             "head": model.output, "root": model}  # fmt: skip
+    return {name: isinstance(m, FSDPModule) for name, m in parts.items()}
+
+
+def test_fsdp_shards_the_embedding_and_the_head_apart_from_the_root():
+    """The head's gradients are reduced while the blocks' backward runs, not with the root's
+    at the very end."""
+    for got in spawn(fsdp_units, 2):
+        assert got == dict.fromkeys(("embedding", "block", "norm", "head", "root"), True)
