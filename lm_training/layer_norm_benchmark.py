@@ -55,7 +55,7 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.ops.layer_norm import FusedLayerNorm, FusedLayerNormFunction, kernel_path, uses_triton
+from effdl.ops.layer_norm import FusedLayerNorm, TritonLayerNorm, kernel_path, uses_triton
 from effdl.profiling.flops import measure_copy_bandwidth
 from effdl.profiling.harness import (
     HarnessConfig,
@@ -188,16 +188,6 @@ class _NoKernelFunction(torch.autograd.Function):
         return torch.empty_like(dy), None, None
 
 
-class TritonAtEverySize(FusedLayerNorm):
-    """FusedLayerNorm's Triton kernels whatever the input's size (its PyTorch path off CUDA)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = self.weight.numel()
-        return FusedLayerNormFunction.apply(
-            x, self.weight, self.bias, self.eps, uses_triton(x, width), width
-        )
-
-
 class HostFloor(nn.LayerNorm):
     """The host floor of a LayerNorm written as a Python autograd.Function (not a LayerNorm)."""
 
@@ -207,7 +197,7 @@ class HostFloor(nn.LayerNorm):
 
 def build_layer_norm(variant: str, hidden: int, eps: float, dtype, device) -> nn.Module:
     """``variant``'s LayerNorm with random affine parameters (same seed for every variant)."""
-    cls = {"fused": FusedLayerNorm, "triton": TritonAtEverySize, "host_floor": HostFloor}
+    cls = {"fused": FusedLayerNorm, "triton": TritonLayerNorm, "host_floor": HostFloor}
     cls = cls.get(variant, nn.LayerNorm)
     ln = cls(hidden, eps=eps, device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(0)

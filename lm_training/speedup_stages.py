@@ -173,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Study
     flags.add("compile_on_cpu", action="store_true", help="run the compile stage on a CPU too")
     flags.add("layer_norm", choices=list(st.LAYER_NORMS),
               help="what the fused_layer_norm stage swaps in; torch: its kernel in the"
-                   " activations' dtype (the ablation)")  # fmt: skip
+                   " activations' dtype; triton: the Triton kernels at any size (the ablations)")  # fmt: skip
     args = p.parse_args(argv)
     cfg = flags.resolve(args)
     if args.trace_dir is not None:

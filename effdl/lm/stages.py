@@ -28,7 +28,12 @@ from effdl.data.packing import collate_bins
 from effdl.data.padding import pad_batch
 from effdl.models.gpt_like import GPTLikeConfig, GPTLikeModel
 from effdl.models.lm_objective import LMInputs, lm_cross_entropy, lm_inputs
-from effdl.ops.layer_norm import FusedLayerNorm, InputDtypeLayerNorm, swap_layer_norms
+from effdl.ops.layer_norm import (
+    FusedLayerNorm,
+    InputDtypeLayerNorm,
+    TritonLayerNorm,
+    swap_layer_norms,
+)
 
 # (flag, what switching it on changes), in stage order: stage i has the first i flags on.
 STAGE_FLAGS: tuple[tuple[str, str], ...] = (
@@ -175,6 +180,7 @@ def step_loader(
 LAYER_NORMS = {
     "fused": FusedLayerNorm,
     "torch": InputDtypeLayerNorm,
+    "triton": TritonLayerNorm,
 }  # what fused_layer_norm swaps in
 
 
@@ -184,8 +190,8 @@ def build_model(
     """The seeded GPT-like LM of ``stage``: before ``masks_from_loader`` it passes the padding
     mask to attention (a masked kernel instead of the causal one); from ``fused_layer_norm`` on
     its LayerNorms are ``LAYER_NORMS[layer_norm]`` ("torch": torch's kernel in the activations'
-    dtype, the ablation of the fused one); compilation as the stage says. Same initial weights
-    in every stage."""
+    dtype, "triton": the Triton kernels at any size; the ablations of the fused one);
+    compilation as the stage says. Same initial weights in every stage."""
     torch.manual_seed(seed)
     model = GPTLikeModel(dataclasses.replace(cfg, mask_padding_keys=not stage.masks_from_loader))
     model.to(device).train()

@@ -443,9 +443,20 @@ class InputDtypeLayerNorm(nn.LayerNorm):
         return _torch_kernel(x, self.weight, self.bias, self.eps, self.normalized_shape)
 
 
+class TritonLayerNorm(FusedLayerNorm):
+    """FusedLayerNorm with its Triton kernels at every input size (its PyTorch path where
+    :func:`uses_triton` says no): what the size threshold chooses against."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = self.weight.numel()
+        return FusedLayerNormFunction.apply(
+            x, self.weight, self.bias, self.eps, uses_triton(x, width), width
+        )
+
+
 def swap_layer_norms(module: nn.Module, kind: type[nn.LayerNorm] = FusedLayerNorm) -> int:
     """Replace every nn.LayerNorm inside ``module`` (not ``module`` itself) by a ``kind``
-    (FusedLayerNorm or InputDtypeLayerNorm) holding the same Parameter objects, so optimizers and
+    (FusedLayerNorm, TritonLayerNorm or InputDtypeLayerNorm) holding the same Parameter objects, so optimizers and
     tied weights keep working. Mutates ``module``; returns how many were replaced. Subclasses of
     nn.LayerNorm (FusedLayerNorm among them) are left as they are: their forward may differ."""
     swaps = [

@@ -18,6 +18,7 @@ from effdl.ops.layer_norm import (
     MAX_TRITON_WIDTH,
     FusedLayerNorm,
     InputDtypeLayerNorm,
+    TritonLayerNorm,
     fused_layer_norm,
     swap_layer_norms,
     uses_triton,
@@ -240,6 +241,25 @@ def test_swap_inside_decoder_layer_keeps_outputs_and_parameters():
     layer = nn.TransformerDecoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
     assert swap_layer_norms(layer, InputDtypeLayerNorm) == 3
     assert type(layer.norm1) is InputDtypeLayerNorm
+    layer = nn.TransformerDecoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    assert swap_layer_norms(layer, TritonLayerNorm) == 3
+    assert type(layer.norm1) is TritonLayerNorm
+
+
+@pytest.mark.gpu
+def test_cuda_triton_layer_norm_runs_the_kernels_at_a_small_size():
+    """Below TRITON_MIN_BYTES, where FusedLayerNorm takes torch's kernel, TritonLayerNorm
+    still runs the Triton kernels: same values as torch's within the kernels' tolerance."""
+    torch.manual_seed(0)
+    ln = TritonLayerNorm(1024, device="cuda")
+    nn.init.normal_(ln.weight)
+    x = torch.randn(300, 1024, device="cuda", requires_grad=True)
+    assert layer_norm.kernel_path(x, 1024) == "torch" and uses_triton(x, 1024)
+    y = ln(x)
+    y.backward(torch.ones_like(y))
+    assert y.grad_fn.name().endswith("FusedLayerNormFunctionBackward")
+    ref = F.layer_norm(x.detach(), (1024,), ln.weight.detach(), ln.bias.detach())
+    torch.testing.assert_close(y.detach(), ref, rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- Triton interpreter
