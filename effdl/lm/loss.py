@@ -20,20 +20,21 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy in fp32 over labels that are not ``IGNORE_INDEX``;
-    ``logits`` (B, S, V), ``labels`` (B, S). The softmax runs in chunks of tokens, so no fp32
-    copy of the whole logits is made (eager runs)."""
-    return cross_entropy_sum(logits.flatten(0, 1), labels.flatten(), ignore=IGNORE_INDEX)
+    ``logits`` (..., V), ``labels`` (...). No fp32 copy of the whole logits is made
+    (:func:`effdl.ops.cross_entropy.cross_entropy_sum`): the loss of eager runs."""
+    return cross_entropy_sum(logits.flatten(0, -2), labels.flatten(), ignore=IGNORE_INDEX)
+
+
+def upcast_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The same loss as :func:`token_loss_sum` through ``F.cross_entropy`` on an fp32 copy of
+    the logits: what compiled runs compile (inductor fuses the upcast into its own kernels)."""
+    upcast = logits.flatten(0, -2).float()
+    return F.cross_entropy(upcast, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def compiled_token_loss_sum() -> LossFn:
-    """:func:`token_loss_sum` for compiled runs: ``torch.compile`` of the plain upcast loss,
-    whose upcast and softmax inductor fuses into its own kernels."""
-
-    def plain(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        upcast = logits.flatten(0, 1).float()
-        return F.cross_entropy(upcast, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-    return torch.compile(plain)
+    """``torch.compile`` of :func:`upcast_token_loss_sum`: the loss of compiled runs."""
+    return torch.compile(upcast_token_loss_sum)
 
 
 def accumulated_backward(

@@ -12,25 +12,22 @@ backward instead, in fp32, from the logits in their own dtype:
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+try:
+    from effdl.ops import cross_entropy_triton
+except ImportError:  # CPU-only installs: the torch path serves every input
+    cross_entropy_triton = None
+
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@functools.cache
-def _triton_imports() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def uses_triton(logits: Tensor) -> bool:
     """True where :func:`cross_entropy_sum` runs the Triton kernels: a CUDA tensor of fp16,
     bf16 or fp32 with Triton installed."""
-    return logits.is_cuda and logits.dtype in TRITON_DTYPES and _triton_imports()
+    return logits.is_cuda and logits.dtype in TRITON_DTYPES and cross_entropy_triton is not None
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -38,10 +35,8 @@ class _CrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, chunk: int, ignore: int) -> Tensor:
-        ctx.chunk, ctx.ignore = chunk, ignore
-        if uses_triton(logits):
-            from effdl.ops import cross_entropy_triton
-
+        ctx.chunk, ctx.ignore, ctx.triton = chunk, ignore, uses_triton(logits)
+        if ctx.triton:
             logits = logits.contiguous()
             loss, lse = cross_entropy_triton.forward(logits, labels, ignore)
             ctx.save_for_backward(logits, labels, lse)
@@ -64,9 +59,7 @@ class _CrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        if len(ctx.saved_tensors) == 3:
-            from effdl.ops import cross_entropy_triton
-
+        if ctx.triton:
             logits, labels, lse = ctx.saved_tensors
             grad = cross_entropy_triton.backward(logits, labels, lse, grad_out, ctx.ignore)
             return grad, None, None, None

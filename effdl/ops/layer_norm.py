@@ -456,8 +456,8 @@ class TritonLayerNorm(FusedLayerNorm):
 
 def swap_layer_norms(module: nn.Module, kind: type[nn.LayerNorm] = FusedLayerNorm) -> int:
     """Replace every nn.LayerNorm inside ``module`` (not ``module`` itself) by a ``kind``
-    (FusedLayerNorm, TritonLayerNorm or InputDtypeLayerNorm) holding the same Parameter objects, so optimizers and
-    tied weights keep working. Mutates ``module``; returns how many were replaced. Subclasses of
+    (FusedLayerNorm, TritonLayerNorm or InputDtypeLayerNorm) holding the same Parameter
+    objects, so optimizers and tied weights keep working. Mutates ``module``; returns how many were replaced. Subclasses of
     nn.LayerNorm (FusedLayerNorm among them) are left as they are: their forward may differ."""
     swaps = [
         (parent, name, child)

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from effdl.cli import (
     ConfigFlags,
@@ -28,10 +27,11 @@ from effdl.cli import (
     run_main,
     start_run,
 )
-from effdl.ops.cross_entropy import cross_entropy_sum, uses_triton
+from effdl.data.labels import IGNORE_INDEX
+from effdl.lm.loss import compiled_token_loss_sum, token_loss_sum, upcast_token_loss_sum
+from effdl.ops.cross_entropy import uses_triton
 from effdl.profiling.timing import benchmark, peak_memory
 
-IGNORE = -100
 VARIANTS = ("upcast", "compiled", "effdl")
 
 
@@ -55,16 +55,11 @@ FULL = ProbeConfig()
 QUICK = ProbeConfig(tokens=[64], vocab=1000, variants=["upcast", "effdl"], warmup=1, iters=3)
 
 
-def upcast(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The loss as the LM trainer computed it before effdl.ops.cross_entropy: an fp32 copy."""
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
-
-
 def loss_functions(names: list[str]) -> dict[str, Callable]:
     make = {
-        "upcast": lambda: upcast,
-        "compiled": lambda: torch.compile(upcast),
-        "effdl": lambda: lambda x, y: cross_entropy_sum(x, y, ignore=IGNORE),
+        "upcast": lambda: upcast_token_loss_sum,
+        "compiled": compiled_token_loss_sum,
+        "effdl": lambda: token_loss_sum,
     }
     return {n: make[n]() for n in names}
 
@@ -93,8 +88,8 @@ def main() -> None:
     for n in cfg.tokens:
         logits = torch.randn(n, cfg.vocab, device=run.device, generator=g).bfloat16()
         labels = torch.randint(0, cfg.vocab, (n,), device=run.device, generator=g)
-        labels[::64] = IGNORE  # some ignored tokens, as padding gives
-        ref_loss, ref_grad = fwd_bwd(upcast, logits, labels)
+        labels[::64] = IGNORE_INDEX  # some ignored tokens, as padding gives
+        ref_loss, ref_grad = fwd_bwd(upcast_token_loss_sum, logits, labels)
         floor_bytes = 3 * logits.numel() * logits.element_size()
         for name, fn in fns.items():
             loss, grad = fwd_bwd(fn, logits, labels)

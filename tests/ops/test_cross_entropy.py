@@ -1,4 +1,5 @@
-"""cross_entropy_sum (Triton kernels on CUDA, torch ops elsewhere) against F.cross_entropy on fp32-upcast logits, and autograd's gradcheck.
+"""cross_entropy_sum (Triton kernels on CUDA, torch ops elsewhere) against F.cross_entropy on
+fp32-upcast logits, and autograd's gradcheck.
 
 Reference: ``F.cross_entropy(logits.to(fp32 at least), labels, reduction="sum")``, the path the
 op replaces; loss and the gradient w.r.t. the logits (in the logits' dtype) are compared.
@@ -158,3 +159,22 @@ def test_cuda_bf16_matches_and_keeps_no_fp32_copy() -> None:
     # ours: the gradient and one fp32 chunk; theirs: an fp32 copy and an fp32 log-softmax
     assert ours <= 2 * logits_bytes, (ours, theirs, logits_bytes)
     assert theirs >= 3 * logits_bytes, (ours, theirs, logits_bytes)
+
+
+def test_the_trainers_eager_loss_equals_its_upcast_loss():
+    """effdl.lm.loss: the eager runs' loss and the one compiled runs compile, on (B, S, V)
+    logits with ignored labels, equal in value and gradient."""
+    from effdl.lm.loss import token_loss_sum, upcast_token_loss_sum
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 9, VOCAB, generator=g).bfloat16()
+    labels = torch.randint(0, VOCAB, (2, 9), generator=g)
+    labels[0, :3] = -100
+    grads = []
+    for fn in (token_loss_sum, upcast_token_loss_sum):
+        x = logits.clone().requires_grad_()
+        loss = fn(x, labels)
+        loss.backward()
+        grads.append((loss.detach(), x.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grads[0][1], grads[1][1], **TOL[torch.bfloat16])
