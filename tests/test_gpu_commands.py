@@ -180,7 +180,7 @@ def test_exit_code_and_output_of_a_finished_command(tmp_path):
 def test_skips_for_gpus_budget_dependency_and_optional_modules():
     c = commands.GpuCommand("x", "python3 a.py", "python3 a.py", 60, None, min_gpus=2)
     assert check.skip_reason(c, 1, 480, {}) == "needs 2 GPUs"
-    assert check.skip_reason(c, 2, 29, {}).startswith("half its limit, 30 s")
+    assert check.skip_reason(c, 2, 29, {}).startswith(f"{check.BUDGET_NOTE}: half its limit, 30 s")
     assert check.skip_reason(c, 2, 30, {}) == ""
     after = commands.GpuCommand("y", "python3 a.py", "python3 a.py", 1, None, after="x")
     assert check.skip_reason(after, 1, 480, {}) == "needs x to pass first"
@@ -225,13 +225,39 @@ def test_a_check_runs_records_and_fails_on_a_failure(tmp_path, monkeypatch, caps
     )
     (log,) = (tmp_path / "acceptance").glob("*/gpu_check.jsonl")
     records = {r["variant"]: r["metrics"] for r in map(json.loads, log.read_text().splitlines())}
+    total = records.pop("total")
     assert {k: r["status"] for k, r in records.items()} == {
-        "ok": "ok", "fail": "failed", "hang": "timeout", "two": "skipped", "late": "skipped"
+        "ok": "ok", "fail": "failed", "hang": "timeout", "two": "skipped", "late": "not-run"
     }  # fmt: skip
     assert records["ok"]["headline"] == 2.0 and records["ok"]["headline_unit"] == "ms"
     assert records["fail"]["exit_code"] == 3 and records["fail"]["headline"] is None
     assert records["two"]["note"] == "needs 2 GPUs"
-    assert "1 passed, 2 failed or timed out, 2 skipped" in capsys.readouterr().out
+    assert {k: total[k] for k in ("ok", "failed", "timeout", "skipped", "not-run")} == {
+        "ok": 1, "failed": 1, "timeout": 1, "skipped": 1, "not-run": 1
+    }  # fmt: skip
+    assert total["seconds"] >= records["hang"]["seconds"]
+    assert (
+        "1 passed, 2 failed or timed out, 1 skipped, 1 not run (budget)" in capsys.readouterr().out
+    )
+
+
+def test_without_a_budget_every_command_runs_and_a_budget_cut_fails_the_check(
+    tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "fake.py").write_text(FAKE)
+    fake = f"python3 {tmp_path / 'fake.py'} --out {{out}}"
+    listed = [commands.GpuCommand("late", "python3 fake.py", f"{fake} ok", 1000, None)]
+    monkeypatch.setattr(check, "COMMANDS", listed)
+    monkeypatch.setattr(check.torch.cuda, "device_count", lambda: 1)
+    assert check.main(["--out", str(tmp_path / "whole"), "--per-gpu", "1"]) == 0
+    assert check.main(["--out", str(tmp_path / "cut"), "--per-gpu", "1", "--budget-s", "100"]) == 1
+    for out, status in (("whole", "ok"), ("cut", "not-run")):
+        (log,) = (tmp_path / out).glob("*/gpu_check.jsonl")
+        late, total = map(json.loads, log.read_text().splitlines())
+        assert late["metrics"]["status"] == status and total["variant"] == "total"
+    assert (
+        "0 passed, 0 failed or timed out, 0 skipped, 1 not run (budget)" in capsys.readouterr().out
+    )
 
 
 def test_list_prints_every_command_and_the_sums(capsys):
@@ -320,7 +346,8 @@ def test_one_gpu_commands_share_the_gpus_in_lanes(tmp_path, monkeypatch):
     lanes = {c.name: (run_dir / c.name / "done").read_text().split()[0] for c in listed}
     assert set(lanes.values()) == {"4", "6"}  # each command saw one GPU, both lanes were used
     (log,) = run_dir.glob("gpu_check.jsonl")
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    *records, total = [json.loads(line) for line in log.read_text().splitlines()]
+    assert total["variant"] == "total"
     assert {r["variant"]: r["config"]["device"] for r in records} == lanes
 
 

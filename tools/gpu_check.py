@@ -5,14 +5,16 @@ under its own time limit, with the repository on PYTHONPATH and NVLink multicast
 torch symmetric memory, NVSHMEM), logging to its own folder under a fresh ``--out/<time>/``.
 After each command a record (exit code, seconds, headline figure) is appended to
 ``gpu_check.jsonl`` there; the end prints one table. A time limit is a command's kill switch,
-well above its usual time; a command is skipped, not started, when less than half its limit is
-left of ``--budget-s``, when its GPUs are missing, an optional module is
-absent or the command it reads from did not pass. The several-GPU commands run first, one at a
+well above its usual time; a command is skipped, not started, when its GPUs are missing, an
+optional module is absent or the command it reads from did not pass. With ``--budget-s`` a
+command is not run when less than half its limit is left of the budget: such a check has not
+checked everything, so it does not pass. The several-GPU commands run first, one at a
 time; then the one-GPU commands run in lanes, ``--per-gpu`` of them on each GPU
 (``CUDA_VISIBLE_DEVICES`` set to it, a data cache and an equal share of the CPUs of its own), a command waiting for the one it
 reads from and an ``exclusive`` one for a GPU of its own. Commands sharing a GPU slow each other:
 their figures say that the command runs, the reports' figures come from full runs alone. ``--with-tests`` then runs the GPU tests, under
-a limit of their own. Exit code 1 if any command failed or timed out.
+a limit of their own. A last record, ``total``, holds the whole run's seconds and counts.
+Exit code 1 if any command failed, timed out or was not run for the budget.
 
     python3 tools/gpu_check.py                      # everything this host can run
     python3 tools/gpu_check.py --only gpt2 vit --budget-s 120
@@ -49,6 +51,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 TESTS = 'python3 -m pytest -m "gpu or multigpu" -q --durations=30'  # multigpu ones skip on one GPU
 TESTS_LIMIT_S = 540  # DESIGN.md: 6 minutes of GPU tests on one H100; the multi-GPU ones beside
 SHARE_MIN_GIB = 64  # two short forms fit beside each other on a GPU this large
+BUDGET_NOTE = "over budget"
 KILL_GRACE_S = 10  # between SIGTERM and SIGKILL of a command's process group
 TAIL_LINES = 15  # of a failed command's output, printed
 
@@ -58,7 +61,7 @@ class Outcome:
     """How one command ended."""
 
     name: str
-    status: str  # ok | failed | timeout | skipped
+    status: str  # ok | failed | timeout | skipped (not for this host) | not-run (budget)
     exit_code: int | None = None
     seconds: float = 0.0
     headline: float | None = None
@@ -74,8 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", metavar="SUBSTRING",
                    help="the commands whose name or README line has one of these")  # fmt: skip
     p.add_argument("--list", action="store_true", help="print the commands and exit")
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="skip a command whose time limit no longer fits in this many seconds")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=math.inf,
+                   help="leave out a command once less than half its limit is left of this many seconds (the check then fails)")  # fmt: skip
     p.add_argument("--per-gpu", type=int, default=None,
                    help=f"commands sharing a GPU at once (default: 2 on GPUs of {SHARE_MIN_GIB} GiB or more, else 1)")  # fmt: skip
     p.add_argument("--with-tests", action="store_true",
@@ -186,6 +189,7 @@ def _is_number(v: object) -> bool:
 
 
 def skip_reason(c: GpuCommand, gpus: int, left_s: float, done: dict[str, Outcome]) -> str:
+    """Why ``c`` does not start (empty when it does); see ``BUDGET_NOTE`` for the budget."""
     if c.min_gpus > gpus:
         return f"needs {c.min_gpus} GPUs"
     missing = [m for m in c.requires if importlib.util.find_spec(m) is None]
@@ -194,7 +198,7 @@ def skip_reason(c: GpuCommand, gpus: int, left_s: float, done: dict[str, Outcome
     if c.after is not None and (c.after not in done or done[c.after].status != "ok"):
         return f"needs {c.after} to pass first"
     if c.limit_s / 2 > left_s:
-        return f"half its limit, {c.limit_s / 2:.0f} s, > {left_s:.0f} s of budget left"
+        return f"{BUDGET_NOTE}: half its limit, {c.limit_s / 2:.0f} s, > {left_s:.0f} s left"
     return ""
 
 
@@ -257,8 +261,9 @@ def command_config(c: GpuCommand) -> dict:
 def start_or_skip(c: GpuCommand, gpus: int, left_s: float, done: dict) -> Outcome | None:
     """A skipped outcome, or None after announcing that ``c`` starts."""
     reason = skip_reason(c, gpus, left_s, done)
-    print(f"[{c.name}] {f'skipped: {reason}' if reason else c.check}", flush=True)
-    return Outcome(c.name, "skipped", note=reason) if reason else None
+    status = "not-run" if reason.startswith(BUDGET_NOTE) else "skipped"
+    print(f"[{c.name}] {f'{status}: {reason}' if reason else c.check}", flush=True)
+    return Outcome(c.name, status, note=reason) if reason else None
 
 
 def lane_devices(gpus: int) -> list[str]:
@@ -371,11 +376,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcomes = list(done.values())
     print()
     print(format_table([table_row(o) for o in outcomes]))
-    bad = [o.name for o in outcomes if o.status in ("failed", "timeout")]
-    skipped = sum(o.status == "skipped" for o in outcomes)
-    print(f"\n{len(outcomes) - len(bad) - skipped} passed, {len(bad)} failed or timed out, "
-          f"{skipped} skipped, {time.monotonic() - start:.0f} s; log: {log.path}")  # fmt: skip
-    return 1 if bad else 0
+    counts = {
+        s: sum(o.status == s for o in outcomes)
+        for s in ("ok", "failed", "timeout", "skipped", "not-run")
+    }
+    seconds = time.monotonic() - start
+    log.log("total", {"gpus": gpus, "budget_s": args.budget_s if math.isfinite(args.budget_s) else None},
+            {"seconds": seconds, **counts})  # fmt: skip
+    bad = counts["failed"] + counts["timeout"]
+    print(f"\n{counts['ok']} passed, {bad} failed or timed out, {counts['skipped']} skipped, "
+          f"{counts['not-run']} not run (budget), {seconds:.0f} s; log: {log.path}")  # fmt: skip
+    return 1 if bad or counts["not-run"] else 0
 
 
 if __name__ == "__main__":
