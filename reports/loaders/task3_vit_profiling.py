@@ -1,0 +1,518 @@
+"""Loads the ViT pipeline and profiler logs (results/vit/) for task3_vit_profiling.ipynb.
+
+Builds what the report's sections read: the pipeline runs of the report's host, labelled by the
+settings each undoes against the fixed preset; each change judged against the run-to-run noise
+(CLS); the profiler records of the pipelines (ops, module forward ranges, per-iteration ranges,
+per-layer comparison, Profile's overhead); the per-iteration breakdown of the fixed pipeline's
+torch.profiler trace (IT, and the ranges of one iteration); and the rows of the answers table
+(``answers``). It displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
+"""
+
+import gzip
+import json
+import pathlib
+import re
+
+import numpy as np
+import pandas as pd
+
+import effdl
+from effdl.answers import Answer
+from effdl.results import load_results, results_dir
+from effdl.tables import is_missing, measured
+
+RESULTS = results_dir("results") / "vit"
+NOT_MEASURED = "not measured"
+TARGET_SPEEDUP, TARGET_WAIT, TARGET_OVERHEAD, TARGET_LAYER, LAYER_MIN_MS = (
+    5.0,
+    0.10,
+    0.05,
+    0.10,
+    1.0,
+)
+H100_BF16_DENSE_TFLOPS = 989.0  # datasheet, dense (no sparsity)
+H100_SMS = 132  # datasheet, H100 SXM
+# The fixed preset's settings and the flag that undoes each (task3_vit_profiling/README.md).
+FLAGS = {
+    "pipeline": "--pipeline", "model": "--model", "data_path": "--data-path",
+    "augmix_on": "--augmix-on", "workers": "--workers", "pin_memory": "--pin-memory",
+    "non_blocking": "--non-blocking", "precision": "--precision", "cudnn": "--cudnn",
+    "sync_every_step": "--sync-every-step", "val_no_grad": "--val-no-grad",
+    "val_divisor": "--val-divisor", "set_to_none": "--set-to-none", "fused_adam": "--fused-adam",
+    "compile": "--compile",
+}  # fmt: skip
+SETTINGS = [f for f in FLAGS if f != "pipeline"]
+VAL_ONLY = {"val_no_grad", "val_divisor"}  # settings the training pass does not use
+TRAIN_ONLY = {"sync_every_step", "set_to_none", "fused_adam", "augmix_on"}  # unused by validation
+LOADER = {"data_path", "workers", "pin_memory", "non_blocking", "augmix_on"}
+# The changes, numbered and named as in task3_vit_profiling/README.md: 1-6 the assignment's six
+# inefficiencies, 7-8 beyond them; each with where it sits as given and the run that undoes it.
+CHANGES = {
+    1: ("data processing", "Dataset: CSV re-read, pandas `.loc` per item, full-size JPEG decode",
+        "label array, `Image.draft` decode, one crop + resize, uint8"),
+    2: ("data loading", "`num_workers=0`, pageable memory, blocking copies",
+        "16 workers, pinned memory, `non_blocking`"),
+    3: ("model", "widths 255; heads never split; attention LayerNorm unused; `nn.Softmax`",
+        "256 wide, 4 x 64 heads, pre-norm, `scaled_dot_product_attention`"),
+    4: ("numerics", "fp32, `cudnn.deterministic`", "bf16 autocast, `cudnn.benchmark`"),
+    5: ("per-step sync", "`.item()` on loss and accuracy every step", "statistics kept on the device"),
+    6: ("validation", "no `no_grad`; averages over the training loader's length",
+        "`inference_mode`, image-weighted averages"),
+    7: ("optimizer step", "in-place `zero_grad`, for-each Adam", "`set_to_none`, fused Adam"),
+    8: ("AugMix on the device", "AugMix per image in the loader", "BatchedAugMix on the GPU batch"),
+}  # fmt: skip
+UNDO = {  # the run that undoes each change (a setting of the fixed preset) and what it changes
+    "model": 3, "precision": 4, "cudnn": 4, "sync_every_step": 5, "val_no_grad": 6,
+    "set_to_none": 7, "fused_adam": 7, "augmix_on": 8,
+}  # fmt: skip
+README = pathlib.Path(effdl.__file__).resolve().parents[1] / "task3_vit_profiling" / "README.md"
+readme_names = dict(
+    (int(n), name.strip())
+    for n, name in re.findall(r"^\| (\d+) \| ([^|]+) \|", README.read_text(), re.M)
+)
+assert readme_names == {n: c[0] for n, c in CHANGES.items()}, (README, readme_names)
+m = "metrics."
+
+
+def load(pattern):
+    # Every record of the logs matching pattern (anywhere under RESULTS), or None.
+    try:
+        df = load_results(RESULTS, pattern=pattern)
+    except FileNotFoundError:
+        return None
+    for c in [
+        c for c in df.columns if c.startswith(m) and not pd.api.types.is_numeric_dtype(df[c])
+    ]:
+        num = pd.to_numeric(df[c], errors="coerce")  # "nan" strings where a metric has no value
+        if num.notna().sum() == (df[c].notna() & (df[c].astype(str) != "nan")).sum():
+            df[c] = num
+    gpu_id = df["env.gpu_id"] if "env.gpu_id" in df else pd.Series(np.nan, index=df.index)
+    gpu = df["env.gpu"] if "env.gpu" in df else pd.Series(np.nan, index=df.index)
+    cpu = df["env.cpu"] if "env.cpu" in df else pd.Series("", index=df.index)
+    # A host is its GPU tag; logs without one come from a single host per GPU model.
+    df["host"] = np.where(
+        gpu_id.notna(), gpu.fillna("CPU").astype(str) + " #" + gpu_id.astype(str),
+        gpu.fillna("CPU (" + cpu.astype(str) + ")").astype(str),
+    )  # fmt: skip
+    return df
+
+
+def data_set(source):
+    kind = "generated Clothing-like" if str(source).startswith("clothing_like") else "real Clothing"
+    return f"{kind} data set `{source}`"
+
+
+def flag(field, value):
+    if isinstance(value, bool):
+        return f"{FLAGS[field]}" if value else f"--no-{FLAGS[field][2:]}"
+    return f"{FLAGS[field]} {value}"
+
+
+def busiest(df, kinds):
+    # The host with the most records of these kinds (ties: the first in name order), or None.
+    sub = df[df["config.kind"].isin(kinds)] if df is not None else []
+    return None if not len(sub) else sub.groupby("host").size().sort_index().idxmax()
+
+
+runs = load("vit_pipeline*.jsonl")
+prof_all = load("vit_profile*.jsonl")
+main = main_all = PIPE_HOST = None
+DATA = MAIN_SOURCE = NOT_MEASURED
+ON_GPU = False
+if runs is not None:
+    # The main comparison: the data set with the most images.
+    MAIN_SOURCE = runs.loc[runs["config.n_images"].idxmax(), "config.source"]
+    main_all = runs[runs["config.source"] == MAIN_SOURCE].copy()
+    DATA = data_set(MAIN_SOURCE)
+    ON_GPU = main_all["config.device"].astype(str).str.startswith("cuda").any()
+    fixed_ref = main_all[main_all["config.pipeline"] == "fixed"]
+    base = {f: fixed_ref[f"config.{f}"].mode().iloc[0] for f in SETTINGS} if len(fixed_ref) else {}
+
+    def label(r):
+        # "fixed", "as given", or "fixed, <settings undone>".
+        if r["config.pipeline"] == "as_given":
+            return "as given"
+        diff = [f"{f}={r[f'config.{f}']}" for f in SETTINGS if r[f"config.{f}"] != base[f]]
+        return "fixed" if not diff else "fixed, " + " + ".join(diff)
+
+    main_all["run"] = main_all.apply(label, axis=1)
+    main_all["undone"] = [
+        set() if r == "fixed" or r == "as given" else
+        {p.split("=")[0] for p in r.removeprefix("fixed, ").split(" + ")}
+        for r in main_all["run"]
+    ]  # fmt: skip
+    # After the first batch (the workers' start-up): waits exactly, steps from the logged ratio.
+    for p in ("train", "val"):
+        main_all[f"{p}_wait_after"] = main_all[f"{m}{p}_wait_s"] - main_all[f"{m}{p}_first_wait_s"]
+        main_all[f"{p}_step_after"] = (
+            main_all[f"{p}_wait_after"] / main_all[f"{m}{p}_wait_over_step"]
+        )
+        main_all[f"{p}_first_step"] = main_all[f"{m}{p}_step_s"] - main_all[f"{p}_step_after"]
+    main_all["epoch_wait_over_step"] = (
+        main_all["train_wait_after"] + main_all["val_wait_after"]
+    ) / (main_all["train_step_after"] + main_all["val_step_after"])
+    # One host for the report: the one with the most pipeline runs; the others: Appendix.
+    PIPE_HOST = main_all.groupby("host")["run"].nunique().sort_index().idxmax()
+    main = main_all[main_all["host"] == PIPE_HOST].copy()
+# Profiler logs: one host for the pipelines' profiles (ops, module ranges, iteration ranges, the
+# trace) and one for the per-layer comparison and Profile's overhead: the host with most records.
+PROF_HOST = busiest(prof_all, ["module", "op", "range"])
+LAYER_HOST = busiest(prof_all, ["layer_compare", "overhead"])
+prof = None
+if prof_all is not None:
+    # Per pipeline and host, the newest profile run (config.run_id).
+    newest = prof_all.groupby(["config.pipeline", "host"])["config.run_id"].transform("max")
+    prof_all = prof_all[prof_all["config.run_id"] == newest].copy()
+    layer_kinds = prof_all["config.kind"].isin(["layer_compare", "overhead", "layer_agreement"])
+    prof = prof_all[
+        (layer_kinds & (prof_all["host"] == LAYER_HOST))
+        | (~layer_kinds & (prof_all["host"] == PROF_HOST))
+    ].copy()
+
+
+def pick(name, frame=None):
+    # The run called name on the report's host (or in frame), or None.
+    frame = main if frame is None else frame
+    if frame is None:
+        return None
+    r = frame[frame["run"] == name]
+    return r.iloc[-1] if len(r) else None
+
+
+def of_kind(kind, pipeline="fixed", frame=None):
+    # The profile records of one kind for one pipeline (empty when not in the logs).
+    frame = prof if frame is None else frame
+    if frame is None:  # no profile logs: no rows, the columns the cells group by
+        return pd.DataFrame(columns=["host", "config.kind", "config.pipeline", "config.run_id"])
+    return frame[(frame["config.kind"] == kind) & (frame["config.pipeline"] == pipeline)].copy()
+
+
+def met(ok, value=0.0):
+    return NOT_MEASURED if is_missing(value) else ("**met**" if ok else "**not met**")
+
+
+def at(frame, col, *keys, default=np.nan):
+    # frame.loc[keys, col], or default where the row or column is missing.
+    try:
+        return frame.loc[keys if len(keys) > 1 else keys[0], col]
+    except (KeyError, TypeError, AttributeError):
+        return default
+
+
+# Each change against the run-to-run noise, on the report's host. Noise of a metric: its spread
+# (max - min) over the runs that ran that pass with identical settings, widened to the largest
+# amount by which undoing a change shortened it (a measured difference with no gain behind it).
+def spread_of(frame, col):
+    v = frame[col].dropna()
+    return v.max() - v.min() if len(v) > 1 else np.nan
+
+
+METRICS = {  # metric of each pass, the settings it depends on, its unit scale
+    "train": ("train_step_median_ms", set(SETTINGS) - VAL_ONLY, "median training step (ms)"),
+    "val": ("val_step_median_ms", set(SETTINGS) - TRAIN_ONLY, "median validation step (ms)"),
+    "loader": ("train_wait_after", LOADER, "training wait on the loader after the first batch (s)"),
+}
+rows = []
+NOISE_SOURCE = {}  # per metric: its band, the identical runs' spread, and the run that sets it
+if main is not None and "fixed" in set(main["run"]):
+    main["train_step_median_ms"] = main[m + "train_step_s_median"] * 1e3
+    main["val_step_median_ms"] = main[m + "val_step_s_median"] * 1e3
+    fx = pick("fixed")
+    # The metric each undone change is judged by: AugMix moves work between the loader and the
+    # step, so the loader's wait; a validation setting, the validation step; else the training step.
+    main["judged by"] = [
+        None if not u else "loader" if "augmix_on" in u else "val" if u <= VAL_ONLY else "train"
+        for u in main["undone"]
+    ]
+    noise = {}
+    for key, (col, deps, _) in METRICS.items():
+        clean = np.array([not (u & deps) for u in main["undone"]], dtype=bool)
+        same = main[(main["config.pipeline"] == "fixed").to_numpy() & clean]
+        judged = main[main["judged by"] == key]
+        wrong_way = (fx[col] - judged[col]).max() if len(judged) else np.nan
+        noise[key] = (np.nanmax([spread_of(same, col), wrong_way, 0.0]), len(same))
+        # What sets the band: the spread of the identical runs, or a run that undoes a change
+        # and ran faster than the fixed one (that run then cannot clear the band it sets).
+        setter = (
+            judged.loc[(fx[col] - judged[col]).idxmax(), "run"]
+            if len(judged) and wrong_way >= spread_of(same, col)
+            else None
+        )
+        NOISE_SOURCE[key] = {
+            "band": noise[key][0], "spread": spread_of(same, col), "runs": len(same),
+            "set by": setter, "faster undone by": wrong_way,
+        }  # fmt: skip
+    for _, r in main[main["judged by"].notna()].iterrows():
+        u, key = r["undone"], r["judged by"]
+        col, _, what = METRICS[key]
+        band, n_same = noise[key]
+        d = r[col] - fx[col]  # > 0: undoing the change is slower, the change saves time
+        rows.append({
+            "#": min(UNDO.get(f, 0) for f in u), "run (change undone)": r["run"], "metric": what,
+            "fixed": fx[col], "undone": r[col], "undone - fixed": d, "noise band": band,
+            "runs behind the band": n_same,
+            "verdict": NOT_MEASURED if is_missing(band) else
+            "faster beyond noise" if d > band else "no gain beyond noise",
+        })  # fmt: skip
+    # 1 and 2 together: the as-given loader against the fixed data path and loader (AugMix still
+    # per image in the workers); no run undoes either alone.
+    a, lo = pick("as given"), pick("fixed, augmix_on=loader")
+    if a is not None and lo is not None:
+        band, n_same = noise["loader"]
+        d = a["train_wait_after"] - lo["train_wait_after"]
+        rows.append({
+            "#": 1, "run (change undone)": "as given vs fixed, augmix_on=loader (1 + 2 together)",
+            "metric": METRICS["loader"][2], "fixed": lo["train_wait_after"],
+            "undone": a["train_wait_after"], "undone - fixed": d, "noise band": band,
+            "runs behind the band": n_same,
+            "verdict": "faster beyond noise" if d > band else "no gain beyond noise",
+        })  # fmt: skip
+CLS = pd.DataFrame(rows).sort_values("#", kind="stable") if rows else pd.DataFrame()
+
+
+def verdicts(n):
+    # The classification rows of change n (1 and 2 share theirs).
+    if not len(CLS):
+        return pd.DataFrame(columns=["#", "run (change undone)", "verdict"])
+    return CLS[CLS["#"] == (1 if n in (1, 2) else n)]
+
+
+def bought(n):
+    # What change n bought, from its rows: "metric undone -> fixed (verdict)".
+    v = verdicts(n)
+    if not len(v):
+        return f"{NOT_MEASURED} (no run undoes it)"
+    return "; ".join(
+        f"{r['run (change undone)'].removeprefix('fixed, ').removeprefix('as given vs fixed, ')}: "
+        f"{r['metric']} {r['undone']:.3g} undone -> {r['fixed']:.3g} (noise band {r['noise band']:.2g}: "
+        f"{r['verdict']})"
+        for _, r in v.iterrows()
+    )
+
+
+QUALIFY = [n for n in CHANGES if (verdicts(n)["verdict"] == "faster beyond noise").any()]
+# The six as measured: #1 and #2 share one measurement (no run undoes either alone), counted once.
+UNITS = [(1, 2), (3,), (4,), (5,), (6,)]
+UNITS_OK = [u for u in UNITS if u[0] in QUALIFY]
+
+
+def qualified(n):
+    # "#4 (cudnn=deterministic only)" where only some of a change's runs gain beyond noise.
+    v = verdicts(n)
+    ok = v[v["verdict"] == "faster beyond noise"]["run (change undone)"]
+    part = len(ok) < len(v)
+    return f"#{n}" + (f" ({', '.join(r.removeprefix('fixed, ') for r in ok)} only)" if part else "")
+
+
+def unit_label(u):
+    # "#1 + #2 (measured together)" for the shared measurement, else qualified(n).
+    return (
+        " + ".join(f"#{n}" for n in u) + " (measured together)" if len(u) > 1 else qualified(u[0])
+    )
+
+
+def module_parts(g):
+    # Kernel and host time per iteration of the assignment's parts of the forward.
+    g = g[g[m + "cpu_time_total_us"] > 0].copy()
+    g["path"] = g[m + "name"].str.slice(len("module: ")).str.rsplit(": ", n=1).str[0]
+    g["cls"] = g[m + "name"].str.rsplit(": ", n=1).str[1]
+
+    def part(path, cls):
+        if path == "model":
+            return "whole ViT"
+        if path.startswith("to_patch_embedding"):
+            return "patch embedding" if path == "to_patch_embedding" else f"  {cls} (embedding)"
+        if cls in ("Attention", "FeedForward", "Softmax", "GELU", "LayerNorm"):
+            return {
+                "Attention": "attention (self-attention part)",
+                "FeedForward": "feed-forward",
+            }.get(cls, cls)
+        return "head" if path == "mlp_head" else None
+
+    g["part"] = [part(p, c) for p, c in zip(g["path"], g["cls"], strict=True)]
+    active = int(g["config.active"].iloc[0])
+    t = g.dropna(subset=["part"]).groupby("part").agg(
+        modules=("path", "nunique"), calls=(m + "calls", "sum"),
+        host_ms=(m + "cpu_time_total_us", "sum"), kernel_ms=(m + "device_time_total_us", "sum"),
+    )  # fmt: skip
+    t["host ms / iter"] = t.pop("host_ms") / active / 1e3
+    t["GPU kernels ms / iter"] = t.pop("kernel_ms") / active / 1e3
+    t["share of ViT forward kernels"] = t["GPU kernels ms / iter"] / at(
+        t, "GPU kernels ms / iter", "whole ViT"
+    )
+    return t
+
+
+PARTS = {
+    p: module_parts(of_kind("module", p))
+    for p in ("as_given", "fixed")
+    if len(of_kind("module", p))
+}
+
+
+RANGE_NAMES = ("data_wait", "to_device", "train_step", "batch_stats")
+RANGE_COLUMNS = ["range", "host ms", "GPU activities", "GPU busy ms", "span on the GPU timeline ms",
+                 "share of the iteration (host)"]  # fmt: skip
+
+
+def trace_iterations():
+    # Per ProfilerStep of the fixed pipeline's torch.profiler trace: the GPU activities launched
+    # inside it (by correlation id), split by where they were launched. None without a trace.
+    paths = sorted(
+        RESULTS.glob("**/*_torch_trace.json*"), key=lambda p: not p.name.startswith("fixed")
+    )
+    if not paths:
+        return None
+    path = paths[0]
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = sorted(
+        (e for e in ev if str(e.get("name", "")).startswith("ProfilerStep")), key=lambda e: e["ts"]
+    )
+    launch = {e["args"]["correlation"]: e for e in ev
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
+    gpu_all = [e for e in ev if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")
+               and e.get("args", {}).get("correlation") in launch]  # fmt: skip
+
+    def inside(t, r):
+        return r["ts"] <= t <= r["ts"] + r["dur"]
+
+    def ms(acts):
+        return sum(a["dur"] for a in acts) / 1e3
+
+    out = []
+    for s in steps:
+        acts = [a for a in gpu_all if inside(launch[a["args"]["correlation"]]["ts"], s)]
+        fwd_ranges = [e for e in ev if e.get("name") == "module: model: ViT" and e.get("cat") != "gpu_user_annotation"
+                      and inside(e["ts"], s)]  # fmt: skip
+        fwd = [a for a in acts if any(inside(launch[a["args"]["correlation"]]["ts"], r)
+                                      and launch[a["args"]["correlation"]]["tid"] == r["tid"] for r in fwd_ranges)]  # fmt: skip
+        # Autograd runs the backward on its own thread: the launches from other threads.
+        bwd = [a for a in acts if launch[a["args"]["correlation"]]["tid"] != s["tid"]]
+        # The optimizer's own kernels, by name (fused/for-each Adam: multi_tensor_apply kernels).
+        opt = [
+            a
+            for a in acts
+            if a.get("cat") == "kernel" and re.search("adam|multi_tensor", a["name"], re.I)
+        ]
+        end = max((a["ts"] + a["dur"] for a in acts), default=s["ts"])
+        # The iteration's named ranges: the GPU activities launched inside each (from any thread:
+        # the backward's launches fall in train_step) and their span on the GPU timeline.
+        ranges = []
+        for e in ev:
+            if e.get("name") not in RANGE_NAMES or e.get("cat") == "gpu_user_annotation":
+                continue
+            if not inside(e["ts"], s):
+                continue
+            r_acts = [a for a in acts if inside(launch[a["args"]["correlation"]]["ts"], e)]
+            ranges.append({
+                "range": e["name"], "host ms": e["dur"] / 1e3, "GPU activities": len(r_acts),
+                "GPU busy ms": ms(r_acts),
+                "span on the GPU timeline ms": (max(a["ts"] + a["dur"] for a in r_acts)
+                                                - min(a["ts"] for a in r_acts)) / 1e3 if r_acts else 0.0,
+                "share of the iteration (host)": e["dur"] / s["dur"],
+            })  # fmt: skip
+        out.append({
+            "iteration": s["name"], "iteration ms (host)": s["dur"] / 1e3, "GPU activities": len(acts),
+            "GPU busy ms": ms(acts), "forward ms": ms(fwd), "forward kernels": len(fwd),
+            "backward ms": ms(bwd), "backward kernels": len(bwd), "optimizer ms": ms(opt),
+            "optimizer kernels": len(opt), "last GPU end after host end (ms)": (end - s["ts"] - s["dur"]) / 1e3,
+            "_step": s, "_acts": acts,
+            "_ranges": pd.DataFrame(ranges, columns=RANGE_COLUMNS).set_index("range"),
+        })  # fmt: skip
+    return path, ev, pd.DataFrame(out).set_index("iteration") if out else None
+
+
+TRACE = trace_iterations()
+IT = (
+    TRACE[2]
+    if TRACE is not None and TRACE[2] is not None and TRACE[2]["GPU activities"].sum()
+    else None
+)
+RNG = of_kind("range").set_index(m + "range") if len(of_kind("range")) else None
+
+# The answers, each from the logs above.
+fixed, given = pick("fixed"), pick("as given")
+pf, pa = PARTS.get("fixed"), PARTS.get("as_given")
+
+
+def kern(t, part):
+    return measured(at(t, "GPU kernels ms / iter", part) if t is not None else np.nan, ".2f", " ms")
+
+
+mid = IT.iloc[len(IT) // 2] if IT is not None else None
+# The named ranges of that one iteration (host time, GPU work launched inside, GPU span).
+RANGES_MID = mid["_ranges"] if mid is not None else None
+
+
+def mid_at(col, *keys):
+    # A value of the middle iteration (its row of IT, or of its ranges), NaN without a trace.
+    if mid is None:
+        return np.nan
+    return mid[col] if not keys else at(RANGES_MID, col, *keys)
+
+
+ratio = mid["backward ms"] / mid["forward ms"] if mid is not None and mid["forward ms"] else np.nan
+speedup = (
+    fixed[m + "images_per_s"] / given[m + "images_per_s"]
+    if fixed is not None and given is not None
+    else np.nan
+)
+
+
+def acc(r):
+    return measured(r[m + "val_accuracy"] * 100 if r is not None else np.nan, ".1f", "%")
+
+
+wait_share = mid_at("host ms", "data_wait") / mid_at("iteration ms (host)")
+S = {n: f"{n}, {CHANGES[n][0]}" for n in CHANGES}
+_mod = of_kind("module")
+MOD_BATCH = (
+    f", batch {int(_mod['config.batch_size'].iloc[0])}"
+    if len(_mod) and "config.batch_size" in _mod
+    else ""
+)
+HOSTS = [PIPE_HOST] if main is not None else []
+answers = [
+    Answer("Forward: embedding, attention (self-attention, feed-forward)",
+           f"GPU kernels per iteration{MOD_BATCH}, fixed model: patch embedding {kern(pf, 'patch embedding')}, "
+           f"self-attention {kern(pf, 'attention (self-attention part)')}, feed-forward {kern(pf, 'feed-forward')} "
+           f"of a {kern(pf, 'whole ViT')} forward (as given: {kern(pa, 'whole ViT')})",
+           "Forward pass per part"),
+    Answer("Forward: nn.Softmax, nn.GELU",
+           f"Softmax {kern(pa, 'Softmax')} (as-given model; the fixed one computes it inside "
+           f"scaled_dot_product_attention), GELU {kern(pf, 'GELU')} (fixed) per iteration",
+           "Forward pass per part"),
+    Answer("Backward vs forward",
+           f"{measured(mid['backward ms'] if mid is not None else np.nan, '.2f', ' ms')} vs "
+           f"{measured(mid['forward ms'] if mid is not None else np.nan, '.2f', ' ms')} of GPU kernels in one "
+           f"iteration: {measured(ratio, '.2f', 'x')} (about 2x from the FLOPs)",
+           "Trace: one training iteration"),
+    Answer("Several training iterations",
+           (f"one iteration ({mid.name}, the middle of {len(IT)} recorded): "
+            f"{mid_at('iteration ms (host)'):.0f} ms on the host, GPU busy {mid_at('GPU busy ms'):.1f} ms "
+            f"({measured(mid_at('GPU busy ms', 'to_device'), '.1f', ' ms')} of it launched in `to_device`: "
+            f"the copy, normalisation and BatchedAugMix); data wait {measured(wait_share * 100, '.1f', '%')} "
+            "of the iteration") if mid is not None else NOT_MEASURED,
+           "Trace: one training iteration"),
+    *[Answer(f"Inefficiency {S[n]}", f"{CHANGES[n][1]} -> {CHANGES[n][2]}; {bought(n)}",
+             "Each change against the run-to-run noise") for n in range(1, 7)],
+    Answer("Fixes that speed up beyond noise",
+           (f"{', '.join(unit_label(u) for u in UNITS_OK) or 'none'}: {len(UNITS_OK)} of the {len(UNITS)} "
+            "measurements that cover the six, #1 and #2 counted once (goal: 5 of the 6); beyond the six: "
+            f"{', '.join(f'#{n}' for n in QUALIFY if n > 6) or 'none'}; one run per setting, one host")
+           if len(CLS) else NOT_MEASURED,
+           "Each change against the run-to-run noise"),
+    Answer("Overall speed-up (train + validation epoch)",
+           f"{measured(speedup, '.1f', 'x')} images/s, fixed vs as given; validation accuracy "
+           f"{acc(fixed)} vs {acc(given)}", "Before and after"),
+]  # fmt: skip
+
+# Hosts in the logs that the report does not use (named in one line under the commands).
+OTHER_HOSTS = sorted(
+    {
+        *(main_all["host"] if main_all is not None else []),
+        *(prof_all["host"] if prof_all is not None else []),
+    }
+    - {PIPE_HOST, PROF_HOST, LAYER_HOST}
+)
