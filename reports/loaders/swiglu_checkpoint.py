@@ -1,0 +1,313 @@
+"""Loads the SwiGLU checkpointing logs (results/swiglu/) for swiglu_checkpoint.ipynb.
+
+Builds what the report's sections read: the benchmark records of one GPU kind and its newest
+commit (the main grid of five variants in fp32 and bf16, with the GEMMs per layer counted on the
+CPU by the benchmark's own function), the ratios between variants with their bootstrap
+intervals (``r``), the assignment's grid of five shapes at checkpoint levels 0 and 1 (``seed``,
+``seed_pairs``, ``seed_ratio``), the GEMM-count and small-configuration probes, and the rows of
+the answers table (``answers``). It displays nothing: the notebook runs it with ``%run -i`` and
+shows the tables.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from effdl.answers import Answer
+from effdl.notebooks import REPORTS
+from effdl.results import device_name, load_results, results_dir
+from effdl.tables import measured
+
+
+def load_script(path):
+    """A task script as a module: the notebook calls the benchmark's own functions."""
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark = load_script(REPORTS.parent / "swiglu_checkpoint" / "benchmark.py")
+CPU = torch.device("cpu")  # the correctness check and the GEMM count run here
+
+SWIGLU = results_dir("results") / "swiglu"
+raw = load_results(SWIGLU)
+for col in raw.columns:  # JSON has no literal for nan: such numbers are logged as "nan" strings
+    if col.startswith("metrics."):
+        vals = raw[col].dropna()
+        if vals.map(lambda v: isinstance(v, (int, float)) or v in ("nan", "inf", "-inf")).all():
+            raw[col] = pd.to_numeric(raw[col], errors="coerce")
+LOG = raw["source"].map(lambda s: Path(s).name.split(".")[0])  # which script wrote the record
+gemm_log = raw[LOG == "gemm_kernel_count"]
+kernel_probe = raw[LOG == "small_config_kernels"]
+
+# The benchmark's records: the newest commit (on a GPU where there is one) and one GPU kind; for
+# each (dtype, config, stack) the newest run at that commit.
+bench = raw[LOG.str.endswith("benchmark")].copy()
+bench["env.gpu"] = [device_name(rec) for _, rec in bench.iterrows()]  # a CPU run: "CPU (x86_64)"
+on_gpu = bench[~bench["env.gpu"].str.startswith("CPU")]
+pool = on_gpu if len(on_gpu) else bench
+newest = pool.sort_values("env.time").iloc[-1]
+COMMIT, MACHINE = newest["env.git_sha"], newest["env.gpu"]
+ON_GPU = len(on_gpu) > 0
+NOT_MEASURED = "не измерено"
+runs = pool[(pool["env.git_sha"] == COMMIT) & (pool["env.gpu"] == MACHINE)]
+
+VARIANTS = ["reference", "checkpoint", "level0", "level1", "level2"]
+NAMES = {
+    "reference": "эталон",
+    "checkpoint": "torch.utils.checkpoint",
+    "level0": "уровень 0",
+    "level1": "уровень 1",
+    "level2": "уровень 2",
+}
+SHAPE = [
+    "config.batch_size",
+    "config.seq_len",
+    "config.hidden_dim",
+    "config.intermediate_size",
+    "config.num_layers",
+]
+m = runs[runs["variant"].isin(VARIANTS) & runs["metrics.step_s_median"].notna()].copy()
+m[SHAPE] = m[SHAPE].astype(int)
+m["residual"] = m["config.residual"].astype(bool)
+KEY = ["config.dtype", *SHAPE, "residual"]
+m = m[m["env.time"] == m.groupby(KEY)["env.time"].transform("max")]
+m["config"] = [f"{b}x{s} h{h} i{i} L{n}" for b, s, h, i, n in m[SHAPE].itertuples(index=False)]
+# FLOPs of one (N x H) @ (H x I) GEMM in every layer: 2 * batch * seq * hidden * intermediate * layers
+m["gemm_unit"] = np.prod(m[SHAPE].to_numpy(dtype=float), axis=1) * 2
+m["order"] = m["variant"].map(VARIANTS.index)
+m = m.sort_values(["config.dtype", "residual", "gemm_unit", "order"], kind="stable")
+
+# GEMMs per layer and training step: counted on the CPU by the benchmark's own function when the
+# notebook runs; the log's own count (its field, or its FLOPs over one GEMM) is what its derived
+# fields used.
+COUNTED = {
+    (v, res): benchmark.counted_gemms(v, torch.float64, CPU, res)
+    for v in VARIANTS
+    for res in (True, False)
+}
+m["gemms_counted"] = [COUNTED[v, res] for v, res in zip(m["variant"], m["residual"], strict=True)]
+logged = m.get("metrics.gemms_per_layer", pd.Series(np.nan, index=m.index))
+m["gemms"] = logged.fillna(m["metrics.gemm_flops"] / m["gemm_unit"]).round(6)
+for ours, col in [
+    ("tflops", "metrics.tflops_executed"),
+    ("of_ceiling", "metrics.frac_ceiling"),
+    ("floor_s", "metrics.floor_s"),
+    ("floor_frac", "metrics.floor_frac"),
+]:
+    m[ours] = m[col]
+
+# The main grid: the residual stack where the log has one (the assignment's bare stack is a
+# separate run, read by the assignment's table).
+main = m[m["residual"] == m["residual"].max()]
+
+
+def pivot(frame, col):
+    return frame.pivot_table(
+        index=["config.dtype", "config"], columns="variant", values=col, sort=False, dropna=False
+    )
+
+
+t, mem = pivot(main, "metrics.step_s_median"), pivot(main, "metrics.peak_gib")
+floor = pivot(main, "floor_s")
+summary = runs[runs["variant"] == "summary"].copy()
+summary = summary[summary["env.time"].isin(main["env.time"])].sort_values("env.time")
+summary = summary.drop_duplicates(["config.dtype", "metrics.config"], keep="last")
+ci = summary.set_index(["config.dtype", "metrics.config"]).reindex(t.index)
+r = pd.DataFrame(
+    {
+        "ур.0/эталон, время": t["level0"] / t["reference"],
+        "90% ДИ от": ci["metrics.l0/ref 90% CI lo"],
+        "90% ДИ до": ci["metrics.l0/ref 90% CI hi"],
+        "ур.0/эталон, память": mem["level0"] / mem["reference"],
+        "ур.2/ур.0, время": t["level2"] / t["level0"],
+        "ур.2/эталон, память": mem["level2"] / mem["reference"],
+        "ур.1/ур.0, время": t["level1"] / t["level0"],
+        "ур.1/ур.0, модель": floor["level1"] / floor["level0"],
+        "ур.1/ур.0, память": mem["level1"] / mem["level0"],
+        "ур.1/checkpoint, память": mem["level1"] / mem["checkpoint"],
+        "checkpoint/эталон, время": t["checkpoint"] / t["reference"],
+        "ур.0, доля опорной скорости": pivot(main, "of_ceiling")["level0"],
+    }
+)
+r.index.names = ["dtype", "конфигурация"]
+GEMM_RATIO = COUNTED["checkpoint", True] / COUNTED["reference", True]
+# GPU-bound: the model step time (GEMMs at the reference rate, bytes at the copy rate) is at
+# least 80% of the measured step
+gpu_bound = pivot(main, "floor_frac")["reference"] >= 0.8
+
+# The assignment's grid (its run_experiments): five shapes, levels 0 and 1, float32, a bare stack.
+SEED_GRID = [
+    (16, 128, 512, 2048, 2),
+    (32, 128, 512, 2048, 2),
+    (8, 512, 1024, 4096, 3),
+    (16, 512, 1024, 4096, 3),
+    (4, 1024, 4096, 16384, 5),
+]
+SEED_COLS = ["batch_size", "seq_len", "hidden_dim", "intermediate_size", "num_layers"]
+fp32 = m[(m["config.dtype"] == "fp32") & m["variant"].isin(["level0", "level1"])]
+seed_rows = []
+for shape in SEED_GRID:
+    here = fp32[(fp32[SHAPE].to_numpy() == shape).all(axis=1)]
+    bare = here[~here["residual"]]
+    here = bare if len(bare) else here  # the assignment's stack where it was measured
+    for level in (0, 1):
+        rec = here[here["variant"] == f"level{level}"]
+        row = dict(zip(SEED_COLS, shape, strict=True), checkpoint_level=level)
+        if len(rec):
+            rec = rec.iloc[0]
+            row |= {
+                "forward_time, s": rec["metrics.fwd_s_median"],
+                "backward_time, s": rec["metrics.bwd_s_median"],
+                "peak_memory, GB": rec["metrics.peak_gib"],
+                "шаг, s": rec["metrics.step_s_median"],
+                "стек": "x + MLP(x)" if rec["residual"] else "MLP(x)",
+            }
+        seed_rows.append(row)
+seed = pd.DataFrame(seed_rows).reindex(
+    columns=[
+        *SEED_COLS,
+        "checkpoint_level",
+        "forward_time, s",
+        "backward_time, s",
+        "peak_memory, GB",
+        "шаг, s",
+        "стек",
+    ]
+)
+seed_pairs = seed.pivot_table(
+    index=SEED_COLS,
+    columns="checkpoint_level",
+    sort=False,
+    dropna=False,
+    values=["forward_time, s", "backward_time, s", "peak_memory, GB", "шаг, s"],
+)
+seed_pairs = seed_pairs.reindex(
+    index=pd.MultiIndex.from_tuples(SEED_GRID, names=SEED_COLS),
+    columns=pd.MultiIndex.from_product([seed_pairs.columns.levels[0], [0, 1]]),
+).dropna(how="all")
+seed_ratio = pd.DataFrame(
+    {
+        f"{label} ур.1/ур.0": seed_pairs[col][1] / seed_pairs[col][0]
+        for label, col in [
+            ("forward", "forward_time, s"),
+            ("backward", "backward_time, s"),
+            ("шаг", "шаг, s"),
+            ("память", "peak_memory, GB"),
+        ]
+    },
+    index=seed_pairs.index,
+).dropna(how="all")
+
+
+def shape_label(shape):
+    b, s, h, i, n = shape
+    return f"{b}x{s} h{h} i{i} L{n}"
+
+
+def span(s, fmt="{:.2f}"):
+    """'lo–hi' of a series (one value if they agree), 'не измерено' if empty."""
+    s = pd.Series(s).dropna()
+    if s.empty:
+        return NOT_MEASURED
+    lo, hi = fmt.format(s.min()), fmt.format(s.max())
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+PROVENANCE = (
+    f"Журналы бенчмарка: {MACHINE}, коммит {COMMIT}, torch {newest['env.torch']}; "
+    f"{m.groupby(KEY).ngroups} сочетаний (dtype, конфигурация, стек) из "
+    f"{runs['env.time'].nunique()} прогон(ов)."
+)
+
+
+big = shape_label(SEED_GRID[-1])
+big_ref = main[
+    (main["config"] == big) & (main["config.dtype"] == "fp32") & (main["variant"] == "reference")
+]
+if len(big_ref):
+    b = big_ref.iloc[0]
+    n_tok = b["config.batch_size"] * b["config.seq_len"]
+    itemsize = torch.empty((), dtype=torch.float32).element_size()
+    four = 4 * n_tok * b["config.intermediate_size"] * itemsize * b["config.num_layers"] / 2**30
+    why = (
+        f"на {big} (fp32, {MACHINE}) пик эталона {b['metrics.peak_gib']:.2f} ГБ: веса, вход и градиент выхода — "
+        f"{b['metrics.base_gib']:.2f} ГБ, остальное — активации (4 тензора N×I на слой: {four:.2f} ГБ по расчёту) "
+        f"и градиенты весов; активации растут с числом токенов, веса — нет"
+    )
+else:
+    why = NOT_MEASURED
+seed_measured = seed.dropna(subset=["шаг, s"])
+if len(seed_ratio):
+    last = seed_pairs.iloc[-1]
+    last_label = shape_label(last.name)
+    stacks = ", ".join(sorted(set(seed_measured["стек"])))
+    comparison = (
+        f"{len(seed_measured)} из {len(seed)} строк измерено ({MACHINE}, fp32, стек {stacks}). Уровень 1 против уровня 0: "
+        f"forward ×{span(seed_ratio['forward ур.1/ур.0'], '{:.3f}')}, "
+        f"backward ×{span(seed_ratio['backward ур.1/ур.0'])}, пиковая память ×{span(seed_ratio['память ур.1/ур.0'])}; "
+        f"на {last_label}: {measured(last['peak_memory, GB'][0], '.2f', missing=NOT_MEASURED)} → "
+        f"{measured(last['peak_memory, GB'][1], '.2f', ' ГБ', NOT_MEASURED)}, backward "
+        f"{measured(last['backward_time, s'][0], '.3f', missing=NOT_MEASURED)} → "
+        f"{measured(last['backward_time, s'][1], '.3f', ' с', NOT_MEASURED)}"
+    )
+    saving = 1 - seed_ratio["память ур.1/ур.0"]
+    conclusion = (
+        f"уровень 1 меняет память на время: пик на {span(saving, '{:.0%}')} ниже, шаг в "
+        f"{span(seed_ratio['шаг ур.1/ур.0'])} раза дольше; экономия больше там, где активации "
+        f"(∝ токены) велики по сравнению с весами и их градиентами (∝ hidden_dim)"
+    )
+else:
+    comparison = conclusion = (
+        f"{NOT_MEASURED}: конфигураций сетки задания в журналах нет ({MACHINE})"
+    )
+ratio_l1 = r["ур.1/ур.0, время"]
+
+
+def times(s):
+    """'×lo–hi' of a ratio series, or 'не измерено'."""
+    text = span(s)
+    return text if text == NOT_MEASURED else f"×{text}"
+
+
+answers = [
+    Answer("Почему важно не хранить активации для backward", why, "Описание"),
+    Answer(
+        "Хранить активации MLP или отдать память вниманию",
+        f"пересчитывать MLP: уровень 1 повторяет 2 из {COUNTED['reference', True]:.0f} GEMM слоя, "
+        f"шаг {times(ratio_l1)} уровня 0, пиковая память {times(r['ур.1/ур.0, память'])} "
+        "(основная сетка)",
+        "Описание",
+    ),
+    Answer(
+        "`MemoryOptimizedSwigluMLPFunction`, уровни 0 и 1",
+        "`effdl.ops.swiglu`: уровень 0 хранит $A=xW$, $B=xV$, $G$; уровень 1 — только $x, W, V, U$ и "
+        "пересчитывает $A, B, G$ в backward",
+        "Реализация",
+    ),
+    Answer(
+        "Формулы градиентов",
+        r"$\bar U=G^\top\bar Y$, $\bar G=\bar Y U^\top$, $\bar B=\bar G\odot\mathrm{SiLU}(A)$, "
+        r"$\bar A=\bar G\odot B\odot\mathrm{SiLU}'(A)$, $\bar W=X^\top\bar A$, $\bar V=X^\top\bar B$, "
+        r"$\bar X=\bar A W^\top+\bar B V^\top$",
+        "Формулы градиентов",
+    ),
+    Answer(
+        "Проверка против `SwigluMLP` (atol 1e-4)",
+        "выход и градиенты по W, V, U и x совпадают на уровнях 0, 1, 2; проверка исполняется ниже на "
+        "CPU и останавливает ноутбук при расхождении",
+        "Проверка корректности",
+    ),
+    Answer(
+        "Время forward/backward и память по `checkpoint_level`",
+        comparison,
+        "Таблица по сетке задания",
+    ),
+    Answer("Выводы", conclusion, "Выводы"),
+]
