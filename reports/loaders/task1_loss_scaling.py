@@ -3,8 +3,10 @@
 Builds, for Part 1 (UNet on Carvana-like images), the runs, steps, epochs and step timings of
 train_unet.py per precision mode, and for Part 2 (GPT-like LM) the per-step, final and timing
 records of lm_precision.py per precision setup; the held-out quality of each setup over its
-seeds; and the rows of the report's answers and targets tables. It displays nothing: the
-notebook runs it with ``%run -i`` and shows the tables.
+seeds, the per-step loss, scale and skip tables by (setup, seed), the setups whose curves are
+one trajectory, and the runs that end far outside the other seeds' range; and the rows of the
+report's answers and targets tables. It displays nothing: the notebook runs it with ``%run -i``
+and shows the tables.
 """
 
 import numpy as np
@@ -142,57 +144,77 @@ def lm_quality(s):
     return text + (f"; {len(bad)} of {n} diverged" if bad else "")
 
 
-def loss_range(s):
+def seed_range(s, field="metrics.heldout_loss"):
+    """min..max of ``field`` over the seeds of ``s`` that did not diverge, None without them."""
     if s not in Q.index:
         return None
-    return Q.loc[s, "metrics.heldout_loss_min"], Q.loc[s, "metrics.heldout_loss_max"]
+    return Q.loc[s, f"{field}_min"], Q.loc[s, f"{field}_max"]
+
+
+def paired(a, b, field="metrics.heldout_loss"):
+    """``field`` of setup ``a`` minus that of ``b``, per seed where neither diverged."""
+    ok = lm_final[~lm_final["diverged"]].pivot_table(
+        index="config.seed", columns="variant", values=field
+    )
+    if a not in ok or b not in ok:
+        return pd.Series(dtype=float)
+    d = (ok[a] - ok[b]).dropna()
+    d.index = d.index.astype(int)
+    return d
 
 
 def dynamic_gain():
     """Does AMP + own DynamicGradScaler end better than pure fp16 and than AMP + static?
 
-    The gap to AMP + static is judged by the seed spread of these two setups only: the
-    reference setup's seed 0 is the same trajectory as amp_dynamic's seed 0, so a band from the
-    reference's seeds would be widened by the very run it judges. With fewer than two seeds of
-    either setup there is no spread to judge by, and no verdict.
+    Over pure fp16: whether fp16 diverges at every seed while amp_dynamic trains. Over AMP +
+    static: the held-out loss and accuracy differences per seed (same init, same batches),
+    judged against the wider of the two setups' seed ranges (their spread). With fewer than
+    two common seeds there is no spread to judge by, and no verdict.
     """
-    dyn, stat = loss_range("amp_dynamic"), loss_range("amp_static")
-    if dyn is None:
+    if "amp_dynamic" not in Q.index:
         return MISSING
-    fp16_dead = len(DIVERGED.get("pure_fp16", [])) == RUNS_PER_SETUP.get("pure_fp16", -1)
-    parts = ["over pure fp16: " + ("yes (fp16 diverges)" if fp16_dead else "fp16 trains too")]
-    if stat is not None:
-        n_dyn, n_stat = (int(Q.loc[v, "n"]) for v in ("amp_dynamic", "amp_static"))
-        diff = (
-            Q.loc["amp_static", "metrics.heldout_loss_mean"]
-            - Q.loc["amp_dynamic", "metrics.heldout_loss_mean"]
-        )
-        if min(n_dyn, n_stat) < 2:
-            seeds = (
-                "one seed of each"
-                if n_dyn == n_stat == 1
-                else f"{n_dyn} seed(s) of amp_dynamic, {n_stat} of amp_static"
-            )
-            verdict = f"no verdict: {seeds}, so no seed spread of these setups to judge the gap by"
-        else:
-            band = max(hi - lo for lo, hi in (dyn, stat))  # the wider of their two seed ranges
-            if abs(diff) <= band:
-                verdict = f"no gain beyond their seed spread ({band:.3f})"
-            else:
-                verdict = (
-                    "better" if diff > 0 else "worse"
-                ) + f" beyond their seed spread ({band:.3f})"
-        parts.append(
-            f"over AMP static: loss {Q.loc['amp_dynamic', 'metrics.heldout_loss_mean']:.3f} "
-            f"vs {Q.loc['amp_static', 'metrics.heldout_loss_mean']:.3f}, {verdict}"
-        )
+    n16 = int(RUNS_PER_SETUP.get("pure_fp16", 0))
+    n16_bad = len(DIVERGED.get("pure_fp16", []))
+    n_dyn = int(Q.loc["amp_dynamic", "n"])
+    if n16 == 0:
+        parts = [f"over pure fp16: {MISSING}"]
+    elif n16_bad == n16:
+        parts = [
+            f"over pure fp16: yes (fp16 diverges at {n16_bad} of {n16} seeds, amp_dynamic "
+            f"trains at {n_dyn} of {int(RUNS_PER_SETUP['amp_dynamic'])})"
+        ]
+    else:
+        parts = [f"over pure fp16: fp16 trains at {n16 - n16_bad} of {n16} seeds"]
+    d_loss = paired("amp_dynamic", "amp_static")
+    if "amp_static" not in Q.index or d_loss.empty:
+        return "; ".join([*parts, f"over AMP static: {MISSING}"])
+    d_acc = paired("amp_dynamic", "amp_static", "metrics.heldout_accuracy")
+    n, lower = len(d_loss), int((d_loss < 0).sum())
+    detail = (
+        f"held-out loss dynamic - static {', '.join(f'{round(d, 3) + 0:+.3f}' for d in d_loss)} nats at "
+        f"seed{'s' if n > 1 else ''} {', '.join(map(str, d_loss.index))}, accuracy "
+        f"{', '.join(f'{round(d, 3) + 0:+.3f}' for d in d_acc)}"
+    )
+    if n < 2:
+        parts.append(f"over AMP static: no verdict, one common seed ({detail})")
+        return "; ".join(parts)
+    band = max(hi - lo for lo, hi in (seed_range("amp_dynamic"), seed_range("amp_static")))
+    diff = d_loss.mean()
+    beyond = "beyond" if abs(diff) > band else "within"
+    spread_text = (
+        f"the mean difference ({diff:+.3f}) is {beyond} the wider seed range of the two "
+        f"setups ({band:.3f})"
+    )
+    if lower == n and -diff > band:
+        verdict = f"yes, dynamic lower at all {n} seeds ({detail}); {spread_text}"
+    elif lower == 0:
+        verdict = f"no, dynamic lower at none of the {n} seeds ({detail}); {spread_text}"
+    else:
+        verdict = f"no gain beyond the seed spread: dynamic lower at {lower} of {n} seeds ({detail}); {spread_text}"
+    parts.append(f"over AMP static: {verdict}")
     return "; ".join(parts)
 
 
-fp32_acc = Q["metrics.heldout_accuracy_mean"].get("fp32", np.nan)
-COLLAPSED = lm_final[
-    ~lm_final["diverged"] & (lm_final["metrics.heldout_accuracy"] < 0.5 * fp32_acc)
-]  # runs that trained but ended far below fp32
 others = sorted(set(DIVERGED.index) - {"pure_fp16"})
 no_div = (
     "no run diverged besides pure fp16"
@@ -200,14 +222,118 @@ no_div = (
     else "diverged: "
     + ", ".join(f"{s} seed(s) {', '.join(str(int(x)) for x in DIVERGED[s])}" for s in others)
 )
-if len(COLLAPSED):
-    no_div += (
-        f"; ended far below fp32 (accuracy <= {COLLAPSED['metrics.heldout_accuracy'].max():.3f}): "
-        + "; ".join(
-            f"{v} seed(s) {', '.join(str(int(x)) for x in g['config.seed'])}"
-            for v, g in COLLAPSED.groupby("variant", sort=False)
+
+# LM: the per-step tables, columns (setup, seed) of the runs the log holds
+LOSS = lm_steps.pivot_table(
+    index="metrics.step", columns=["variant", "config.seed"], values="metrics.loss", dropna=False
+)
+ACC = lm_steps.pivot_table(
+    index="metrics.step",
+    columns=["variant", "config.seed"],
+    values="metrics.accuracy",
+    dropna=False,
+)
+SCALE = lm_steps.pivot_table(
+    index="metrics.step", columns=["variant", "config.seed"], values="metrics.scale"
+)
+SKIP = lm_steps.assign(sk=lm_steps["metrics.skipped"].isin([True, "True"])).pivot_table(
+    index="metrics.step", columns=["variant", "config.seed"], values="sk"
+)
+RUN_KEYS = list(dict.fromkeys(zip(lm_steps["variant"], lm_steps["config.seed"], strict=True)))
+LOSS, ACC, SCALE, SKIP = (t.reindex(columns=RUN_KEYS) for t in (LOSS, ACC, SCALE, SKIP))
+SEEDS = sorted(int(x) for x in lm_final["config.seed"].unique())
+MAIN_SEED = int(lm_final.loc[lm_final["config.role"] == "main", "config.seed"].min())
+TOL = 1e-6  # nats: curves this close at every step are one trajectory (the own-Autocast target)
+
+
+def same_curve(a, b):
+    """Two per-step loss curves within TOL of each other at every step (NaN where both are)."""
+    return a.index.equals(b.index) and np.allclose(a, b, rtol=0, atol=TOL, equal_nan=True)
+
+
+def trajectories(seed, setups=SETUPS):
+    """The setups of ``seed`` grouped by identical loss curves (within TOL), in SETUPS order."""
+    groups = []
+    for s in setups:
+        if (s, seed) not in LOSS.columns:
+            continue
+        g = next((g for g in groups if same_curve(LOSS[(g[0], seed)], LOSS[(s, seed)])), None)
+        if g is None:
+            groups.append([s])
+        else:
+            g.append(s)
+    return groups
+
+
+def far_runs():
+    """Runs whose held-out loss lies above the range of the other seeds' runs (all setups that
+    did not diverge) by more than that range's width: a run that ends far outside what the
+    other seeds reach. Judged only where the other runs come from at least two seeds.
+
+    Returns (the judged runs with their band, the far ones among them).
+    """
+    ok = lm_final[~lm_final["diverged"]]
+    judged = []
+    for seed in SEEDS:
+        rest = ok[ok["config.seed"] != seed]
+        if rest["config.seed"].nunique() < 2:
+            continue
+        lo, hi = rest["metrics.heldout_loss"].min(), rest["metrics.heldout_loss"].max()
+        alo, ahi = rest["metrics.heldout_accuracy"].min(), rest["metrics.heldout_accuracy"].max()
+        mine = ok[ok["config.seed"] == seed].assign(
+            band_lo=lo, band_hi=hi, acc_lo=alo, acc_hi=ahi, band_seeds=len(set(rest["config.seed"]))
         )
-    )
+        judged.append(mine.assign(far=mine["metrics.heldout_loss"] > hi + (hi - lo)))
+    judged = pd.concat(judged) if judged else ok.iloc[:0].assign(far=False)
+    return judged, judged[judged["far"]]
+
+
+JUDGED, FAR = far_runs()
+
+
+def far_answer():
+    """The answers row on runs far outside the other seeds: which, and whether fp32 is one."""
+    if JUDGED.empty:
+        return f"{MISSING}: fewer than three seeds of trained runs in the log"
+    if FAR.empty:
+        return "no run ends above the other seeds' held-out loss range by more than its width"
+    parts = []
+    for seed, g in FAR.groupby("config.seed"):
+        seed = int(seed)
+        g = g.set_index("variant")
+        band = g.iloc[0]
+        other = sorted(set(SEEDS) - {seed})
+        runs = [
+            " = ".join(t)
+            + (" (one trajectory)" if len(t) > 1 else "")
+            + f" at held-out loss {g.loc[t[0], 'metrics.heldout_loss']:.3f}, accuracy "
+            f"{g.loc[t[0], 'metrics.heldout_accuracy']:.3f}"
+            for t in trajectories(seed, list(g.index))
+        ]
+        text = (
+            f"seed {seed}: {'; '.join(runs)}, against {band['band_lo']:.3f}..{band['band_hi']:.3f} "
+            f"and {band['acc_lo']:.3f}..{band['acc_hi']:.3f} for every run of seeds "
+            f"{', '.join(map(str, other))}"
+        )
+        kept = JUDGED[(JUDGED["config.seed"] == seed) & ~JUDGED["far"]]
+        if len(kept):
+            text += (
+                "; "
+                + ", ".join(
+                    f"{r['variant']} seed {seed} ends at {r['metrics.heldout_loss']:.3f}, "
+                    f"{r['metrics.heldout_accuracy']:.3f}"
+                    for _, r in kept.iterrows()
+                )
+                + ", within one range width of that range"
+            )
+        text += (
+            ". fp32 is among the far runs, so fp16 is not needed for this collapse"
+            if "fp32" in g.index
+            else ". fp32 is not among the far runs"
+        )
+        parts.append(text)
+    return "; ".join(parts)
+
 
 # LM: one gradient computation per setup, smallest timing batch
 tim = lm_timing.assign(rows=lm_timing["config.batch_shape"].map(lambda s: s[0]))
@@ -254,6 +380,11 @@ answers = [
     ),
     Answer("Quality gain of dynamic scaling", dynamic_gain(), "Held-out quality per setup"),
     Answer("No divergence except fp16", no_div, "Held-out quality per setup"),
+    Answer(
+        "Runs far below the other seeds",
+        far_answer(),
+        "Runs that end far outside the other seeds",
+    ),
     Answer(
         "Own Autocast",
         f"loss curve {measured(gap_own, '.1g')} nats from torch.autocast's; gradient time {own_vs_torch}",
