@@ -2,10 +2,11 @@
 
 Builds what the report's sections read: the benchmark records of one GPU kind and its newest
 commit (the main grid of five variants in fp32 and bf16, with the GEMMs per layer counted on the
-CPU by the benchmark's own function), the ratios between variants with their bootstrap
-intervals (``r``), the assignment's grid of five shapes at checkpoint levels 0 and 1 (``seed``,
-``seed_pairs``, ``seed_ratio``), the GEMM-count and small-configuration probes, and the rows of
-the answers table (``answers``). It displays nothing: the notebook runs it with ``%run -i`` and
+CPU by the benchmark's own function; its stack, bare or residual, read from ``config.residual``:
+``MAIN_RESIDUAL``), the ratios between variants with their bootstrap intervals (``r``), the
+records of the other stack where the log has both (``other``, ``stack_cmp``), the assignment's
+grid of five shapes at checkpoint levels 0 and 1 (``seed``, ``seed_pairs``, ``seed_ratio``), the
+GEMM-count and small-configuration probes, and the rows of the answers table (``answers``). It displays nothing: the notebook runs it with ``%run -i`` and
 shows the tables.
 """
 
@@ -66,6 +67,14 @@ NAMES = {
     "level1": "уровень 1",
     "level2": "уровень 2",
 }
+# The assignment's grid (its run_experiments): five shapes, levels 0 and 1, float32, a bare stack.
+SEED_GRID = [
+    (16, 128, 512, 2048, 2),
+    (32, 128, 512, 2048, 2),
+    (8, 512, 1024, 4096, 3),
+    (16, 512, 1024, 4096, 3),
+    (4, 1024, 4096, 16384, 5),
+]
 SHAPE = [
     "config.batch_size",
     "config.seq_len",
@@ -103,9 +112,40 @@ for ours, col in [
 ]:
     m[ours] = m[col]
 
-# The main grid: the residual stack where the log has one (the assignment's bare stack is a
-# separate run, read by the assignment's table).
-main = m[m["residual"] == m["residual"].max()]
+
+def stack_name(residual):
+    """The stack of a record with config.residual = ``residual``."""
+    return "x + MLP(x)" if residual else "MLP(x)"
+
+
+def covers_seed(frame):
+    """Whether ``frame`` has levels 0 and 1 in fp32 at every shape of the assignment's grid."""
+    f = frame[(frame["config.dtype"] == "fp32") & frame["variant"].isin(["level0", "level1"])]
+    levels = f.groupby(SHAPE)["variant"].nunique()
+    return all(levels.get(shape, 0) == 2 for shape in SEED_GRID)
+
+
+# The main grid: the assignment's bare stack (config.residual false) where the log has it for the
+# assignment's shapes (or has no other stack), else the stack the log has; the records of the
+# other stack, where there are any, are a comparison.
+STACKS = set(m["residual"])
+MAIN_RESIDUAL = True in STACKS and not (False in STACKS and covers_seed(m[~m["residual"]]))
+main = m[m["residual"] == MAIN_RESIDUAL]
+other = m[m["residual"] != MAIN_RESIDUAL]
+MAIN_STACK = stack_name(MAIN_RESIDUAL)
+STACK = f"стек {MAIN_STACK}"  # the captions' name of the main grid's stack
+STACK_NOTE = (
+    f"Основная сетка — стек {MAIN_STACK}"
+    f"{' (стек задания)' if not MAIN_RESIDUAL else ''}, config.residual = {str(MAIN_RESIDUAL).lower()}: "
+    f"{main.groupby(['config.dtype', 'config']).ngroups} сочетаний (dtype, конфигурация)"
+    + (
+        f"; стек {stack_name(not MAIN_RESIDUAL)} (config.residual = {str(not MAIN_RESIDUAL).lower()}): "
+        f"{other.groupby(['config.dtype', 'config']).ngroups} сочетаний, сравнение стеков — в разделе "
+        "«Два стека»."
+        if len(other)
+        else f"; записей стека {stack_name(not MAIN_RESIDUAL)} в журнале нет."
+    )
+)
 
 
 def pivot(frame, col):
@@ -137,19 +177,52 @@ r = pd.DataFrame(
     }
 )
 r.index.names = ["dtype", "конфигурация"]
-GEMM_RATIO = COUNTED["checkpoint", True] / COUNTED["reference", True]
+
+# The other stack against the main grid, where the log has both: each variant's step time and
+# peak memory at the (dtype, config) both stacks measured, and level 1 over level 0 in each.
+OTHER_STACK = stack_name(not MAIN_RESIDUAL)
+stack_cmp = pd.DataFrame()
+stack_l1 = pd.DataFrame()
+if len(other):
+    cols = ["metrics.step_s_median", "metrics.peak_gib"]
+    both = (
+        main.set_index(["config.dtype", "config", "variant"])[cols]
+        .join(
+            other.set_index(["config.dtype", "config", "variant"])[cols],
+            how="inner",
+            rsuffix=" other",
+        )
+        .reset_index()
+    )
+    stack_cmp = pd.DataFrame(
+        {
+            "dtype": both["config.dtype"],
+            "конфигурация": both["config"],
+            "вариант": both["variant"].map(NAMES),
+            f"шаг, мс: {MAIN_STACK}": both["metrics.step_s_median"] * 1e3,
+            f"шаг, мс: {OTHER_STACK}": both["metrics.step_s_median other"] * 1e3,
+            "шаг: отношение": both["metrics.step_s_median other"] / both["metrics.step_s_median"],
+            f"пик, ГБ: {MAIN_STACK}": both["metrics.peak_gib"],
+            f"пик, ГБ: {OTHER_STACK}": both["metrics.peak_gib other"],
+            "пик: отношение": both["metrics.peak_gib other"] / both["metrics.peak_gib"],
+        }
+    ).set_index(["dtype", "конфигурация", "вариант"])
+    t_other, mem_other = pivot(other, "metrics.step_s_median"), pivot(other, "metrics.peak_gib")
+    on_both = t.index.intersection(t_other.index, sort=False)  # in the main grid's order
+    stack_l1 = pd.DataFrame(
+        {
+            f"ур.1/ур.0, время: {MAIN_STACK}": t["level1"] / t["level0"],
+            f"ур.1/ур.0, время: {OTHER_STACK}": t_other["level1"] / t_other["level0"],
+            f"ур.1/ур.0, память: {MAIN_STACK}": mem["level1"] / mem["level0"],
+            f"ур.1/ур.0, память: {OTHER_STACK}": mem_other["level1"] / mem_other["level0"],
+        }
+    ).reindex(on_both)
+    stack_l1.index.names = ["dtype", "конфигурация"]
+GEMM_RATIO = COUNTED["checkpoint", MAIN_RESIDUAL] / COUNTED["reference", MAIN_RESIDUAL]
 # GPU-bound: the model step time (GEMMs at the reference rate, bytes at the copy rate) is at
 # least 80% of the measured step
 gpu_bound = pivot(main, "floor_frac")["reference"] >= 0.8
 
-# The assignment's grid (its run_experiments): five shapes, levels 0 and 1, float32, a bare stack.
-SEED_GRID = [
-    (16, 128, 512, 2048, 2),
-    (32, 128, 512, 2048, 2),
-    (8, 512, 1024, 4096, 3),
-    (16, 512, 1024, 4096, 3),
-    (4, 1024, 4096, 16384, 5),
-]
 SEED_COLS = ["batch_size", "seq_len", "hidden_dim", "intermediate_size", "num_layers"]
 fp32 = m[(m["config.dtype"] == "fp32") & m["variant"].isin(["level0", "level1"])]
 seed_rows = []
@@ -167,7 +240,7 @@ for shape in SEED_GRID:
                 "backward_time, s": rec["metrics.bwd_s_median"],
                 "peak_memory, GB": rec["metrics.peak_gib"],
                 "шаг, s": rec["metrics.step_s_median"],
-                "стек": "x + MLP(x)" if rec["residual"] else "MLP(x)",
+                "стек": stack_name(rec["residual"]),
             }
         seed_rows.append(row)
 seed = pd.DataFrame(seed_rows).reindex(
@@ -223,7 +296,7 @@ def span(s, fmt="{:.2f}"):
 PROVENANCE = (
     f"Журналы бенчмарка: {MACHINE}, коммит {COMMIT}, torch {newest['env.torch']}; "
     f"{m.groupby(KEY).ngroups} сочетаний (dtype, конфигурация, стек) из "
-    f"{runs['env.time'].nunique()} прогон(ов)."
+    f"{runs['env.time'].nunique()} прогон(ов). {STACK_NOTE}"
 )
 
 
@@ -237,7 +310,7 @@ if len(big_ref):
     itemsize = torch.empty((), dtype=torch.float32).element_size()
     four = 4 * n_tok * b["config.intermediate_size"] * itemsize * b["config.num_layers"] / 2**30
     why = (
-        f"на {big} (fp32, {MACHINE}) пик эталона {b['metrics.peak_gib']:.2f} ГБ: веса, вход и градиент выхода — "
+        f"на {big} (fp32, {STACK}, {MACHINE}) пик эталона {b['metrics.peak_gib']:.2f} ГБ: веса, вход и градиент выхода — "
         f"{b['metrics.base_gib']:.2f} ГБ, остальное — активации (4 тензора N×I на слой: {four:.2f} ГБ по расчёту) "
         f"и градиенты весов; активации растут с числом токенов, веса — нет"
     )
@@ -280,9 +353,9 @@ answers = [
     Answer("Почему важно не хранить активации для backward", why, "Описание"),
     Answer(
         "Хранить активации MLP или отдать память вниманию",
-        f"пересчитывать MLP: уровень 1 повторяет 2 из {COUNTED['reference', True]:.0f} GEMM слоя, "
-        f"шаг {times(ratio_l1)} уровня 0, пиковая память {times(r['ур.1/ур.0, память'])} "
-        "(основная сетка)",
+        f"пересчитывать MLP: уровень 1 повторяет 2 из {COUNTED['reference', MAIN_RESIDUAL]:.0f} GEMM "
+        f"слоя, шаг {times(ratio_l1)} уровня 0, пиковая память {times(r['ур.1/ур.0, память'])} "
+        f"(основная сетка, {STACK})",
         "Описание",
     ),
     Answer(
