@@ -4,14 +4,20 @@ Builds the mock-epoch records of every pipeline (BRAIN, BIG BRAIN, ULTRA DUPER B
 and with a token budget, packed rows) with their ratios to the ideal, one summary row per
 variant, the repeated token-budget and packed epochs per GPU, the training, sampler-cost and
 packing logs, the host and kernel probes, and the rows of the report's answers and targets
-tables. It displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
+tables; for the last appendix, the replicate of the repeated epochs on a second host set against
+its main log (replicate logs, ``*_replicate*``, are read there only, never by a main table). It
+displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
 """
+
+import glob
+from fnmatch import fnmatch
+from pathlib import PurePath
 
 import numpy as np
 import pandas as pd
 
 from effdl.answers import Answer, Target
-from effdl.results import device_name, load_results, results_dir
+from effdl.results import ResultsFormatError, device_name, find_log, load_results, results_dir
 from effdl.tables import measured
 
 RESULTS = results_dir("results") / "task2"
@@ -32,14 +38,42 @@ EXPECTED += [(f"ultra_k{k}", "ultra", k, None) for k in (1, 5, 10, 20, 50, 640)]
 EXPECTED += [("ultra_k5_mt40960", "ultra", 5, 40960)]
 EXPECTED += [(p, p, None, None) for p in ("packed_concat", "packed_bfd")]
 BUDGET_VARIANTS = ["ultra_k5_mt40960", "packed_concat", "packed_bfd"]
+# A replicate log reruns a main log's command on another host (same record format); it is read
+# only by the appendix that sets it against its main log, never by a main table or target.
+REPLICATE = "*_replicate*"
+REPLICATE_LOG = "mock_epoch_packed_ultra_budget_replicate.jsonl"
+REPLICATED_LOG = "mock_epoch_packed_ultra_budget_repeats.jsonl"  # the main log it replicates
 
 
-def load(pattern, folder=RESULTS):
-    # Every record of the logs matching pattern, or None if there are none.
-    try:
-        df = load_results(folder, pattern=pattern)
-    except FileNotFoundError:
+def is_replicate(source):
+    return fnmatch(PurePath(source).name, REPLICATE)
+
+
+def load(pattern, folder=RESULTS, replicate=False):
+    # Every record of the logs matching pattern (or their .gz form), or None if there are none:
+    # of the main logs, or with replicate, of the replicate logs (*_replicate*) only. The other
+    # kind is not even read, so a replicate log cannot reach (or break) a main table.
+    found = (
+        {f for p in (pattern, pattern + ".gz") for f in folder.glob(p)}
+        if folder.is_dir()
+        else set()
+    )
+    files = [
+        f
+        for f in sorted(found)
+        if is_replicate(f.name) == replicate
+        and not (f.suffix == ".gz" and f.with_suffix("") in found)  # read with its plain form
+    ]
+    rows = []
+    for f in files:
+        try:  # one log at a time: its plain and .gz forms, as load_results reads them
+            part = load_results(folder, pattern=glob.escape(str(f.relative_to(folder))))
+        except FileNotFoundError:  # a log that holds no records
+            continue
+        rows += part.to_dict("records")
+    if not rows:
         return None
+    df = pd.DataFrame(rows)
     df["run"] = df["source"] + " @ " + df["env.time"].astype(str)  # one process = one env
     for name in ("metrics.peak_mem_gib", "metrics.step_peak_gib_median"):  # "nan" without a GPU
         if name in df:
@@ -102,9 +136,18 @@ mock_all["proc"] = mock_all["run"].map(PROC)
 # grouped by it, so a log that holds several GPU kinds judges each on its own.
 mock_all["gpu"] = [device_name(r) for _, r in mock_all.iterrows()]
 GPUS = list(dict.fromkeys(mock_all.sort_values("env.time")["gpu"]))  # in order of first record
-epochs = mock_all[mock_all["config.pipeline"].isin(LABELS)].copy()
-epochs["compute_adj"] = col(epochs, "metrics.compute_over_ideal_adjacent")
-epochs["epoch_adj"] = col(epochs, "metrics.epoch_over_ideal_adjacent")
+
+
+def epochs_against_ideal(df):
+    # The timed epochs of a mock-epoch log with the ratios every table reads: compute / ideal and
+    # epoch / ideal against the dense batches timed right before each epoch (adjacent yardstick).
+    e = df[df["config.pipeline"].isin(LABELS)].copy()
+    e["compute_adj"] = col(e, "metrics.compute_over_ideal_adjacent")
+    e["epoch_adj"] = col(e, "metrics.epoch_over_ideal_adjacent")
+    return e
+
+
+epochs = epochs_against_ideal(mock_all)
 # The main sweep: the newest process that measured BRAIN. A variant it measured comes from it;
 # any other variant from every epoch logged of it.
 brain_runs = epochs.loc[epochs["variant"] == "brain"].sort_values("env.time")["run"]
@@ -371,3 +414,133 @@ if big_pk is not None and len(big_pk):
 else:
     targets.append(Target("BFD on 1.8M sequences < 10 s, fill >= 99%", None, None))
 TARGETS_SOURCE = f"epoch targets: the repeated epochs on {MAIN_GPU or NOT_MEASURED}"
+
+# Appendix: the token-budget ULTRA and packed epochs against the ideal on a second host. The
+# replicate log is set against the main log it replicates only where both measured the same thing:
+# the same variants (pipeline, k, token budget) and the same values of these config fields.
+MEASUREMENT_FIELDS = [
+    *("pipeline", "k", "max_tokens", "batch_size", "max_length", "max_batches", "overflow"),
+    *("d_model", "n_heads", "n_layers", "d_ff", "vocab_size", "dtype"),
+    *("corpus", "n_samples", "corpus_tokens", "num_workers", "seed"),
+]
+
+
+def plain(value):
+    # A config value as text, the same whatever dtype pandas gave its column (5 and 5.0 alike).
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        value = int(value)
+    return str(value)
+
+
+def measurement(e):
+    # What a log's epochs measured: its variants and the values of MEASUREMENT_FIELDS.
+    out = {"variants": ", ".join(sorted(e["variant"].unique()))}
+    for name in MEASUREMENT_FIELDS:
+        out[name] = ", ".join(sorted({plain(v) for v in col(e, f"config.{name}").dropna()})) or "-"
+    return out
+
+
+def env_values(df, name, width=None):
+    values = sorted({str(v)[:width] for v in col(df, f"env.{name}").dropna()})
+    return ", ".join(values) if values else "not logged"
+
+
+def side_line(label, e):
+    return (
+        f"- {label}: {', '.join(sorted(e['source'].unique()))} ({len(e)} epochs), {device_of(e)}, "
+        f"host id {env_values(e, 'gpu_id')}, git {env_values(e, 'git_sha', 7)}"
+    )
+
+
+def within(value):
+    return "met" if value <= TARGET_RATIO else "not met"
+
+
+def replicate_comparison(main, rep, same_host):
+    # Per variant (columns): both ratios, main median and range against the replicate; the target
+    # verdict on each side. Notes: one line per variant on its verdict.
+    rows, notes = {}, []
+    for v in BUDGET_VARIANTS:
+        m, r = main[main["variant"] == v], rep[rep["variant"] == v]
+        row = {"epochs: main / replicate": f"{len(m)} / {len(r)}"}
+        for ratio, name in (("epoch_adj", "epoch / ideal"), ("compute_adj", "compute / ideal")):
+            mv, rv = m[ratio].dropna(), r[ratio].dropna()
+            row[f"{name}: main median"] = measured(mv.median() if len(mv) else None, ".3f")
+            row[f"{name}: main min-max"] = range_or_not(mv)
+            row[f"{name}: replicate"] = measured(rv.median() if len(rv) else None, ".3f")
+            row[f"{name}: replicate inside main range"] = (
+                ("yes" if mv.min() <= rv.median() <= mv.max() else "no")
+                if len(mv) and len(rv)
+                else NOT_MEASURED
+            )
+        me, re_ = m["epoch_adj"].dropna(), r["epoch_adj"].dropna()
+        row["target (epoch / ideal <= 1.15): main"] = (
+            within(me.median()) if len(me) else NOT_MEASURED
+        )
+        row["target: replicate"] = within(re_.median()) if len(re_) else NOT_MEASURED
+        if not (len(me) and len(re_)):
+            same = NOT_MEASURED
+            notes.append(f"- {v}: {NOT_MEASURED} on one side at least: no verdict to compare")
+        elif same_host:
+            same = "same host: no second-host verdict"
+        else:
+            agree = within(me.median()) == within(re_.median())
+            same = "yes" if agree else "no"
+            notes.append(
+                f"- {v}: target verdict {'the same' if agree else 'not the same'} on the second "
+                f"host (main median {me.median():.3f}x, {within(me.median())}; second host "
+                f"{re_.median():.3f}x, {within(re_.median())})"
+            )
+        row["same target verdict on the second host"] = same
+        rows[v] = row
+    return pd.DataFrame(rows), notes
+
+
+def second_host():
+    # The appendix's lines and table (None where there is nothing to compare).
+    where = f"task2/{REPLICATE_LOG}"
+    if not find_log(RESULTS / REPLICATE_LOG).exists():
+        return [f"Second host: {NOT_MEASURED} (log absent: {where})."], None
+    try:
+        rep_all = load(REPLICATE_LOG, replicate=True)
+    except ResultsFormatError as e:
+        why = str(e).replace(str(RESULTS), "task2")
+        return [f"Second host: {NOT_MEASURED} (log unreadable: {why})."], None
+    rep = epochs_against_ideal(rep_all) if rep_all is not None else None
+    if rep is None or rep.empty:
+        return [f"Second host: {NOT_MEASURED} ({where} holds no timed epoch)."], None
+    main = epochs[epochs["source"].str.removesuffix(".gz") == REPLICATED_LOG]
+    if main.empty:
+        return [
+            f"Main log task2/{REPLICATED_LOG} absent: nothing to set the replicate against."
+        ], None
+    lines = [side_line("main log", main), side_line("replicate", rep)]
+    cm, cr = measurement(main), measurement(rep)
+    differ = [f"{k} (main {cm[k]}; replicate {cr[k]})" for k in cm if cm[k] != cr[k]]
+    if differ:
+        lines.append(
+            "The two logs measured different things, so they are not compared: "
+            + "; ".join(differ)
+            + "."
+        )
+        return lines, None
+    shared = set(col(main, "env.gpu_id").dropna()) & set(col(rep, "env.gpu_id").dropna())
+    if shared:
+        lines.append(
+            f"The replicate is from the same host as the main log (host id {', '.join(sorted(shared))}): "
+            "it gives run-to-run spread on that host, not a second host's verdict."
+        )
+    elif col(main, "env.gpu_id").isna().any() or col(rep, "env.gpu_id").isna().any():
+        lines.append(
+            "Same variants and config on both sides (repeats aside); a host id is not logged on "
+            "every epoch, so the verdicts below may come from one host."
+        )
+    else:
+        lines.append("Same variants and config on both sides (repeats aside); two different hosts.")
+    if device_of(main) != device_of(rep):
+        lines.append(f"GPU kinds differ: {device_of(main)} against {device_of(rep)}.")
+    table, notes = replicate_comparison(main, rep, bool(shared))
+    return lines + notes, table
+
+
+REPLICATE_LINES, REPLICATE_TABLE = second_host()
