@@ -5,8 +5,10 @@ settings each undoes against the fixed preset; the fixed pipeline's repeated run
 ``FIXED``, and their range per metric, the noise band, ``NOISE``) and each change judged against
 them (CLS); the profiler records of the pipelines (ops, module forward ranges, per-iteration ranges,
 per-layer comparison, Profile's overhead); the per-iteration breakdown of the fixed pipeline's
-torch.profiler trace (IT, and the ranges of one iteration); and the rows of the answers table
-(``answers``). It displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
+torch.profiler trace (IT, and the ranges of one iteration); the rows of the answers table
+(``answers``); and, for the appendix, the headline speed-up beside the same ratio from the
+replicate log (``vit_pipeline_replicate.jsonl``, the same commands on another host, kept out of
+every other section): ``REPLICATE_TABLE`` and ``REPLICATE_LINES``. It displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
 """
 
 import gzip
@@ -73,12 +75,25 @@ assert readme_names == {n: c[0] for n, c in CHANGES.items()}, (README, readme_na
 m = "metrics."
 
 
-def load(pattern):
-    # Every record of the logs matching pattern (anywhere under RESULTS), or None.
+def load(pattern, exclude=None):
+    # Every record of the logs matching pattern (anywhere under RESULTS), but for the logs whose
+    # file name matches the regular expression exclude; None where no record is left.
     try:
         df = load_results(RESULTS, pattern=pattern)
     except FileNotFoundError:
         return None
+    excluded = df["source"].map(
+        lambda s: bool(exclude and re.search(exclude, pathlib.Path(s).name))
+    )
+    if excluded.any():
+        # The kept logs read again on their own: no column or type comes from an excluded one.
+        kept = list(dict.fromkeys(df.loc[~excluded, "source"]))
+        if not kept:
+            return None
+        frames = [load_results(RESULTS, pattern=s) for s in kept]
+        df = pd.concat(
+            [f[f["source"] == s] for f, s in zip(frames, kept, strict=True)], ignore_index=True
+        )
     for c in [
         c for c in df.columns if c.startswith(m) and not pd.api.types.is_numeric_dtype(df[c])
     ]:
@@ -113,7 +128,11 @@ def busiest(df, kinds):
     return None if not len(sub) else sub.groupby("host").size().sort_index().idxmax()
 
 
-runs = load("vit_pipeline*.jsonl")
+# The replicate log holds the same commands run on another host; it is read only by the appendix
+# (``REPLICATE``), never mixed into the main sections.
+REPLICATE_LOG = "vit_pipeline_replicate.jsonl"
+REPLICATE_NAMES = r"replicate"
+runs = load("vit_pipeline*.jsonl", exclude=REPLICATE_NAMES)
 prof_all = load("vit_profile*.jsonl")
 main = main_all = PIPE_HOST = None
 DATA = MAIN_SOURCE = NOT_MEASURED
@@ -598,3 +617,147 @@ else:
     HOSTS_LINE = "; ".join(f"{k}: {h or NOT_MEASURED}" for k, h in USED_HOSTS.items()) + (
         f"\nother hosts in these logs (not used): {', '.join(OTHER_HOSTS)}" if OTHER_HOSTS else ""
     )
+
+
+# Appendix: the headline speed-up (images/s over the epoch, the median of the fixed pipeline's
+# runs over the as-given run) computed the same way from the replicate log, one as-given and one
+# fixed run of the same commands on another host. Compared only where the runs' config matches
+# the main runs' on every field but these: the run's id, the real data set's folder (``source``
+# names the set) and the processes that wrote the generated set once; the device by its kind.
+CONFIG_IGNORED = {"run_id", "data", "generate_workers"}
+HEADLINE = "images/s over the epoch, fixed / as given"
+
+
+def headline(fixed_runs, as_given):
+    # The report's speed-up: the fixed runs' median images/s over the as-given run's.
+    if not len(fixed_runs) or as_given is None:
+        return np.nan
+    return fixed_runs[m + "images_per_s"].median() / as_given[m + "images_per_s"]
+
+
+def config_diff(r, ref):
+    # The config fields (but CONFIG_IGNORED) where run r differs from run ref: [(field, r, ref)].
+    def value(row, k):
+        v = row.get(f"config.{k}", np.nan)
+        return str(v).split(":")[0] if k == "device" and not is_missing(v) else v
+
+    def same(a, b):
+        if is_missing(a) or is_missing(b):
+            return is_missing(a) and is_missing(b)
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return str(a) == str(b)
+
+    keys = {c[len("config.") :] for c in (*r.index, *ref.index) if c.startswith("config.")}
+    return [
+        (k, value(r, k), value(ref, k))
+        for k in sorted(keys - CONFIG_IGNORED)
+        if not same(value(r, k), value(ref, k))
+    ]
+
+
+def side(frame):
+    # GPU name, host id and git sha (first 7 characters) of runs, each value once.
+    def each(col, n=None):
+        vals = frame[col].dropna().astype(str).str.slice(0, n) if col in frame else []
+        return ", ".join(dict.fromkeys(vals)) or NOT_MEASURED
+
+    return {
+        "GPU": each("env.gpu"),
+        "host id": each("env.gpu_id"),
+        "git sha": each("env.git_sha", 7),
+    }
+
+
+def replicate_comparison():
+    # (table or None, lines): the headline speed-up of the main log beside the replicate's.
+    rep = load(REPLICATE_LOG)
+    if rep is None:
+        return None, [f"Second host: {NOT_MEASURED} (no {REPLICATE_LOG} in these logs)."]
+    a_main = pick("as given")
+    if not N_FIXED or a_main is None:
+        return None, [
+            f"Second host: {NOT_MEASURED} (the main log holds no fixed and as-given pair)."
+        ]
+    refs = {"fixed": FIXED_RUNS.iloc[-1], "as_given": a_main}
+    used, lines = {}, []
+    for pipe, ref in refs.items():
+        recs = rep[rep["config.pipeline"] == pipe]
+        if not len(recs):
+            lines.append(f"The replicate log holds no {pipe} run.")
+            continue
+        diffs = [config_diff(r, ref) for _, r in recs.iterrows()]
+        ok = [not d for d in diffs]
+        if not any(ok):
+            lines.append(
+                f"The replicate's {pipe} run{'s' if len(recs) > 1 else ''} differ{'' if len(recs) > 1 else 's'} "
+                f"from the main {pipe} run in its config: "
+                + "; ".join(f"{k} {v} (main: {w})" for k, v, w in diffs[-1])
+                + "."
+            )
+            continue
+        if not all(ok):
+            lines.append(
+                f"{len(ok) - sum(ok)} of the replicate's {pipe} runs differ from the main config and are left out."
+            )
+        used[pipe] = recs[ok]
+    if len(used) < 2:
+        return None, [f"Second host: {NOT_MEASURED}, not compared.", *lines]
+    main_x = headline(FIXED_RUNS, a_main)
+    assert np.isclose(main_x, speedup), (main_x, speedup)  # the report's headline, the same way
+    per_run = FIXED_RUNS[m + "images_per_s"] / a_main[m + "images_per_s"]
+    a_rep = used["as_given"].iloc[-1]  # the newest, as pick() takes the main one
+    rep_x = headline(used["fixed"], a_rep)
+    main_side = side(pd.concat([FIXED_RUNS, a_main.to_frame().T]))
+    rep_side = side(pd.concat([used["fixed"], a_rep.to_frame().T]))
+    n_rep = len(used["fixed"])
+    rep_per_run = used["fixed"][m + "images_per_s"] / a_rep[m + "images_per_s"]
+
+    def spread(x):
+        # The speed-up's range over the fixed runs of one log (not measured with one run).
+        return f"{x.min():.2f}x to {x.max():.2f}x" if len(x) > 1 else f"{NOT_MEASURED} (one run)"
+
+    table = pd.DataFrame({
+        f"speed-up ({HEADLINE})": [f"{main_x:.2f}x", f"{rep_x:.2f}x"],
+        "fixed runs": [N_FIXED, n_rep],
+        "range over the fixed runs": [spread(per_run), spread(rep_per_run)],
+        "relative to main": ["-", f"{rep_x / main_x - 1:+.1%}"],
+        **{k: [main_side[k], rep_side[k]] for k in main_side},
+        "log": [", ".join(dict.fromkeys(FIXED_RUNS["source"])), REPLICATE_LOG],
+    }, index=["main", "replicate"])  # fmt: skip
+    lines.insert(0, (
+        f"Main log ({DATA}): fixed {FIXED[m + 'images_per_s']:.1f} images/s "
+        f"({'one run' if N_FIXED == 1 else f'median of {N_FIXED} runs'}) against as given "
+        f"{a_main[m + 'images_per_s']:.1f} images/s: {main_x:.2f}x. Replicate log: fixed "
+        f"{used['fixed'][m + 'images_per_s'].median():.1f} images/s "
+        f"({'one run' if n_rep == 1 else f'median of {n_rep} runs'}) against as given "
+        f"{a_rep[m + 'images_per_s']:.1f} images/s: {rep_x:.2f}x, {rep_x / main_x:.2f} times the main speed-up"
+        + (f", {'inside' if per_run.min() <= rep_x <= per_run.max() else 'outside'} the main fixed runs' range."
+           if N_FIXED > 1 else ".")
+    ))  # fmt: skip
+    main_hosts = set(FIXED_RUNS["host"]) | {a_main["host"]}
+    rep_hosts = set(used["fixed"]["host"]) | {a_rep["host"]}
+    if main_hosts & rep_hosts:
+        lines.append(
+            f"Same host: the replicate ran on {', '.join(sorted(main_hosts & rep_hosts))}, as the main "
+            "runs did, so it repeats the measurement there and says nothing about a second host."
+        )
+    elif main_x <= 1:
+        lines.append(f"The main log shows no speed-up ({main_x:.2f}x), so there is none to hold.")
+    else:
+        holds = rep_x > 1
+        lines.append(
+            f"The speed-up {'holds' if holds else 'does not hold'} on the second host: "
+            f"{rep_x:.2f}x there ("
+            + (
+                f"above 1.0, as the main {main_x:.2f}x is"
+                if holds
+                else f"not above 1.0, against the main {main_x:.2f}x"
+            )
+            + f"), {rep_x / main_x:.2f} times the main speed-up."
+        )
+    return table, lines
+
+
+REPLICATE_TABLE, REPLICATE_LINES = replicate_comparison()
