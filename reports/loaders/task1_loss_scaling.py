@@ -5,7 +5,10 @@ train_unet.py per precision mode, and for Part 2 (GPT-like LM) the per-step, fin
 records of lm_precision.py per precision setup; the held-out quality of each setup over its
 seeds, the per-step loss, scale and skip tables by (setup, seed), the setups whose curves are
 one trajectory, and the runs that end far outside the other seeds' range; and the rows of the
-report's answers and targets tables. It displays nothing: the notebook runs it with ``%run -i``
+report's answers and targets tables; and, for the appendix, the headline timing ratios of the
+timing logs set beside the same ratios from replicate logs of another host, where those exist
+(``*_replicate.jsonl``, read only there: the main sections load the main logs by their exact
+names). It displays nothing: the notebook runs it with ``%run -i``
 and shows the tables.
 """
 
@@ -43,6 +46,11 @@ def latest(df, keys=("variant", "config.seed")):
     return df[df["config.run_id"] == newest].copy()
 
 
+def latest_run(df):
+    """Only the rows of the most recent invocation of the script that wrote ``df``."""
+    return df[df["config.run_id"] == df["config.run_id"].max()]
+
+
 def numeric(df, *cols):
     """Logged floats may be the string 'nan' (a diverged run): make the columns numeric."""
     for c in cols:
@@ -66,8 +74,7 @@ else:
 UNET_GPU = device_name(env)
 
 # LM log: the latest invocation only
-lm = load_results(R, "lm_precision.jsonl")
-lm = lm[lm["config.run_id"] == lm["config.run_id"].max()]
+lm = latest_run(load_results(R, "lm_precision.jsonl"))
 lm_steps, lm_final, lm_timing = (
     lm[lm["config.kind"] == k].copy() for k in ("step", "final", "timing")
 )
@@ -410,3 +417,197 @@ targets = [
         None if is_missing(gap_own) else bool(gap_own < 1e-6),
     ),
 ]
+
+# Appendix: the headline timing ratios from replicate logs of a second host, beside the main
+# logs' ones. A replicate log is written by the same script on another host and renamed; it is
+# read only here, so the sections above never mix hosts.
+REPLICATES = {  # replicate log: (main log, what it replicates)
+    "unet_timing_replicate.jsonl": ("unet_timing.jsonl", "UNet training-step timing"),
+    "lm_precision_timing_replicate.jsonl": ("lm_precision.jsonl", "LM timing records"),
+}
+# Config fields that do not change what a timing measures: the run's identity and device index,
+# and the length and learning rate of the training runs (the timing phase builds fresh models
+# and times its own fixed number of steps, which is compared: the step_s_n/grad_s_n below).
+NOT_MEASUREMENT = ("run_id", "device", "epochs", "steps", "lr", "warmup_steps", "seed", "role")
+TIMED_COUNTS = ("metrics.step_s_n", "metrics.grad_s_n")
+# The ratios the report states, each the ratio of two medians of one timing log:
+# (name, which median: step or grad, numerator, denominator); the LM's at each timing batch.
+UNET_RATIOS = [
+    ("own DynamicGradScaler / torch GradScaler", "step", "amp_dynamic", "amp_torch_scaler"),
+    ("own StaticGradScaler / torch GradScaler", "step", "amp_static", "amp_torch_scaler"),
+    ("own Autocast / torch.autocast (own DynamicGradScaler)", "step", "own_autocast_dynamic",
+     "amp_dynamic"),
+    ("fp32 / AMP (torch GradScaler)", "step", "fp32", "amp_torch_scaler"),
+]  # fmt: skip
+LM_RATIOS = [
+    ("own Autocast / torch.autocast", "grad", "own_autocast_torch_scaler", REF),
+    ("own Autocast / torch.autocast", "step", "own_autocast_torch_scaler", REF),
+    ("own DynamicGradScaler / torch GradScaler", "step", "amp_dynamic", REF),
+    ("own StaticGradScaler / torch GradScaler", "step", "amp_static", REF),
+    ("fp32 / AMP (torch.autocast + torch GradScaler)", "grad", "fp32", REF),
+]
+QUANTITY = {"step": "training step", "grad": "gradient computation"}
+
+
+def unet_timing_records(df):
+    """The UNet timing records the report reads, by mode: the latest run of each mode."""
+    return latest(df, keys=("variant",)).set_index("variant", drop=False)
+
+
+def lm_timing_records(df):
+    """The LM timing records the report reads, by (batch, setup): the latest invocation's."""
+    t = latest_run(df)
+    t = t[t["config.kind"] == "timing"]
+    batch = t["config.batch_shape"].map(lambda s: "x".join(map(str, s)))
+    return t.set_index([batch.rename("batch"), t["variant"]], drop=False)
+
+
+def measurement(row):
+    """The config fields (and timed-step counts) of a record that define its measurement."""
+    fields = {
+        c.removeprefix("config."): row[c]
+        for c in row.index
+        if c.startswith("config.") and c.removeprefix("config.") not in NOT_MEASUREMENT
+    }
+    fields.update({c.removeprefix("metrics."): row[c] for c in TIMED_COUNTS if c in row.index})
+    return {k: v for k, v in fields.items() if not is_missing(v)}
+
+
+def config_gaps(main_row, rep_row):
+    """The measurement fields on which two records differ, as 'field main vs replicate'."""
+    a, b = measurement(main_row), measurement(rep_row)
+    return [
+        f"{k} {a.get(k, '-')} vs {b.get(k, '-')}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k, "-") != b.get(k, "-")
+    ]
+
+
+def ratio_of(records, key_num, key_den, quantity):
+    """Median of ``key_num`` / median of ``key_den`` (NaN where either is not in the log), and
+    the two records."""
+    if key_num not in records.index or key_den not in records.index:
+        return np.nan, []
+    rows = [records.loc[key_num], records.loc[key_den]]
+    num, den = (pd.to_numeric(r.get(f"metrics.{quantity}_s_median"), errors="coerce") for r in rows)
+    return num / den, rows
+
+
+def origin(row):
+    """GPU name, host id (env.gpu_id) and git sha (7 characters) of a record."""
+    host = row.get("env.gpu_id")
+    sha = row.get("env.git_sha")
+    return (
+        device_name(row),
+        None if is_missing(host) else str(host),
+        None if is_missing(sha) else str(sha)[:7],
+    )
+
+
+def verdict(main_value, rep_value, main_rows, rep_rows):
+    """Whether a ratio holds on the second host: the replicate's value on the same side of 1.0
+    as the main log's; no verdict where the records' measurements differ or the replicate comes
+    from the main log's host."""
+    if is_missing(main_value):
+        return "not in the main log"
+    if is_missing(rep_value):
+        return f"{MISSING} in the replicate log"
+    gaps = [g for m, r in zip(main_rows, rep_rows, strict=True) for g in config_gaps(m, r)]
+    if gaps:
+        return "not compared, the configs differ: " + "; ".join(dict.fromkeys(gaps))
+    hosts = {origin(r)[1] for r in main_rows}, {origin(r)[1] for r in rep_rows}
+    if None in hosts[0] | hosts[1]:
+        return "no verdict: a record names no host (env.gpu_id), so the hosts cannot be told apart"
+    if hosts[0] & hosts[1]:
+        return "no verdict: the replicate is from the same host as the main log, not a second host"
+    side = lambda v: int(v > 1) - int(v < 1)  # noqa: E731
+    if side(main_value) == side(rep_value):
+        return "holds on the second host"
+    return "does not hold on the second host (the other side of 1.0)"
+
+
+def replicate_rows(main, rep, specs):
+    """One row per headline ratio in ``specs`` ((label, quantity, numerator key, denominator
+    key), keys as the records are indexed): the main and replicate values, their relative
+    difference, each side's origin and the verdict."""
+    rows = []
+    for label, quantity, key_num, key_den in specs:
+        m, m_rows = ratio_of(main, key_num, key_den, quantity)
+        r, r_rows = ratio_of(rep, key_num, key_den, quantity)
+        say = verdict(m, r, m_rows, r_rows)
+        compared = not is_missing(m) and not is_missing(r) and not say.startswith("not ")
+        m_from = origin(m_rows[0]) if m_rows else (None,) * 3
+        r_from = origin(r_rows[0]) if r_rows else (None,) * 3
+        rows.append(
+            {
+                "ratio": label,
+                "main": m,
+                "replicate": r if compared else np.nan,
+                "relative difference": f"{round(r / m - 1, 3) + 0:+.1%}" if compared else "-",
+                "main GPU": m_from[0],
+                "main host": m_from[1],
+                "main sha": m_from[2],
+                "replicate GPU": r_from[0],
+                "replicate host": r_from[1],
+                "replicate sha": r_from[2],
+                "verdict": say,
+            }
+        )
+    return rows
+
+
+def unet_specs():
+    """UNET_RATIOS as labelled specs keyed by mode."""
+    return [(f"UNet {QUANTITY[q]}: {name}", q, a, b) for name, q, a, b in UNET_RATIOS]
+
+
+def lm_specs(records):
+    """LM_RATIOS at each timing batch of ``records`` (the main log's), keyed by (batch, setup)."""
+    return [
+        (f"LM {QUANTITY[q]} at {b}: {name}", q, (b, a), (b, d))
+        for b in dict.fromkeys(records.index.get_level_values("batch"))
+        for name, q, a, d in LM_RATIOS
+    ]
+
+
+def compare_replicate(name):
+    """(one line on the replicate log ``name``, its table rows); never raises: a log that is
+    absent is not measured, one that cannot be compared says why."""
+    main_name, what = REPLICATES[name]
+    head = f"{name} ({what} on a second host)"
+    try:
+        if not any((R / n).exists() for n in (name, name + ".gz")):
+            return f"{head}: {MISSING}, the log is absent.", []
+        raw = load_results(R, name)
+        if name.startswith("unet"):
+            main, rep = unet_timing_records(timing), unet_timing_records(raw)
+            rows = replicate_rows(main, rep, unet_specs())
+        else:
+            main, rep = lm_timing_records(lm), lm_timing_records(raw)
+            rows = replicate_rows(main, rep, lm_specs(main))
+    except Exception as e:  # a replicate log that cannot be compared must not stop the report
+        return f"{head}: not compared, {type(e).__name__}: {e}", []
+    held = sum(r["verdict"].startswith("holds") for r in rows)
+    judged = held + sum(r["verdict"].startswith("does not hold") for r in rows)
+    line = f"{head}: {len(rep)} timing records beside the {len(main)} of {main_name}; "
+    same = {r["replicate host"] for r in rows if "same host" in r["verdict"]}
+    if same and not judged:
+        line += (
+            f"from the main log's host (env.gpu_id {', '.join(sorted(same))}), not a second "
+            "host: no verdicts."
+        )
+    else:
+        line += (
+            f"{held} of the {len(rows)} headline ratios hold on the second host"
+            + (f", {len(rows) - judged} without a verdict" if judged < len(rows) else "")
+            + "."
+        )
+    return line, rows
+
+
+REPLICATE_LINES, _rows = [], []
+for _name in REPLICATES:
+    _line, _r = compare_replicate(_name)
+    REPLICATE_LINES.append(_line)
+    _rows += _r
+REPLICATE_TABLE = pd.DataFrame(_rows).set_index("ratio") if _rows else None
