@@ -15,19 +15,18 @@ logs: only the appendix reads it, setting its headline ratios against the main l
 (``replicate_head``, ``replicate_table``, ``replicate_notes``).
 """
 
-import glob
 import importlib.util
 import sys
-from fnmatch import fnmatch
-from pathlib import Path, PurePath
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from loaders.replicates import is_replicate, log_records  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer
 from effdl.notebooks import REPORTS
-from effdl.results import ResultsFormatError, device_name, load_results, results_dir
+from effdl.results import ResultsFormatError, device_name, results_dir
 from effdl.tables import measured
 
 
@@ -47,36 +46,13 @@ SWIGLU = results_dir("results") / "swiglu"
 # A replicate log reruns the benchmark's command for some configurations on another host (same
 # record format). It is read only by the appendix, never with the main logs: the main grid, the
 # answers and the targets cannot see it.
-REPLICATE = "*_replicate*"
 REPLICATE_LOG = "benchmark_replicate.jsonl"
-
-
-def is_replicate(source):
-    return fnmatch(PurePath(source).name, REPLICATE)
 
 
 def load_logs(replicate=False):
     """Every record of the logs under results/swiglu/ (plain or .gz): of the main logs, or with
-    ``replicate``, of the replicate logs only; the other kind is not even read. None if there
-    are no records."""
-    found = (
-        {f for p in ("**/*.jsonl", "**/*.jsonl.gz") for f in SWIGLU.glob(p)}
-        if SWIGLU.is_dir()
-        else set()
-    )
-    files = [
-        f
-        for f in sorted(found)
-        if is_replicate(f.name) == replicate
-        and not (f.suffix == ".gz" and f.with_suffix("") in found)  # read with its plain form
-    ]
-    rows = []
-    for f in files:
-        try:  # one log at a time: its plain and .gz forms, as load_results reads them
-            part = load_results(SWIGLU, pattern=glob.escape(str(f.relative_to(SWIGLU))))
-        except FileNotFoundError:  # a log that holds no records
-            continue
-        rows += part.to_dict("records")
+    ``replicate``, of the replicate logs only. None if there are no records."""
+    rows = log_records(SWIGLU, ("**/*.jsonl", "**/*.jsonl.gz"), replicate)
     if not rows:
         return None
     frame = pd.DataFrame(rows)

@@ -9,15 +9,12 @@ its main log (replicate logs, ``*_replicate*``, are read there only, never by a 
 displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
 """
 
-import glob
-from fnmatch import fnmatch
-from pathlib import PurePath
-
 import numpy as np
 import pandas as pd
+from loaders.replicates import log_records  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
-from effdl.results import ResultsFormatError, device_name, find_log, load_results, results_dir
+from effdl.results import ResultsFormatError, device_name, find_log, results_dir
 from effdl.tables import measured
 
 RESULTS = results_dir("results") / "task2"
@@ -40,37 +37,14 @@ EXPECTED += [(p, p, None, None) for p in ("packed_concat", "packed_bfd")]
 BUDGET_VARIANTS = ["ultra_k5_mt40960", "packed_concat", "packed_bfd"]
 # A replicate log reruns a main log's command on another host (same record format); it is read
 # only by the appendix that sets it against its main log, never by a main table or target.
-REPLICATE = "*_replicate*"
 REPLICATE_LOG = "mock_epoch_packed_ultra_budget_replicate.jsonl"
 REPLICATED_LOG = "mock_epoch_packed_ultra_budget_repeats.jsonl"  # the main log it replicates
 
 
-def is_replicate(source):
-    return fnmatch(PurePath(source).name, REPLICATE)
-
-
 def load(pattern, folder=RESULTS, replicate=False):
     # Every record of the logs matching pattern (or their .gz form), or None if there are none:
-    # of the main logs, or with replicate, of the replicate logs (*_replicate*) only. The other
-    # kind is not even read, so a replicate log cannot reach (or break) a main table.
-    found = (
-        {f for p in (pattern, pattern + ".gz") for f in folder.glob(p)}
-        if folder.is_dir()
-        else set()
-    )
-    files = [
-        f
-        for f in sorted(found)
-        if is_replicate(f.name) == replicate
-        and not (f.suffix == ".gz" and f.with_suffix("") in found)  # read with its plain form
-    ]
-    rows = []
-    for f in files:
-        try:  # one log at a time: its plain and .gz forms, as load_results reads them
-            part = load_results(folder, pattern=glob.escape(str(f.relative_to(folder))))
-        except FileNotFoundError:  # a log that holds no records
-            continue
-        rows += part.to_dict("records")
+    # of the main logs, or with replicate, of the replicate logs (*_replicate*) only.
+    rows = log_records(folder, (pattern, pattern + ".gz"), replicate)
     if not rows:
         return None
     df = pd.DataFrame(rows)
