@@ -12,7 +12,10 @@ from collections.abc import Iterable
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 
-from effdl.results import load_results
+import pandas as pd
+
+from effdl.results import device_name, load_results
+from effdl.tables import is_missing
 
 REPLICATE = "*_replicate*"
 
@@ -41,3 +44,19 @@ def log_records(folder: Path, patterns: Iterable[str], replicate: bool = False) 
             continue
         rows += part.to_dict("records")
     return rows
+
+
+def provenance(frame: pd.DataFrame) -> dict[str, list[str]]:
+    """Where a log's records were made, for an appendix's caption: the GPU names, host ids
+    (``env.gpu_id``) and commits (``env.git_sha``, 7 characters), each value once and sorted; an
+    empty list where no record logs the field."""
+
+    def values(column: str, width: int | None = None) -> list[str]:
+        found = frame.get(column, [])
+        return sorted({str(v)[:width] for v in found if not is_missing(v)})
+
+    return {
+        "GPU": sorted({device_name(row) for _, row in frame.iterrows()}),
+        "host id": values("env.gpu_id"),
+        "git sha": values("env.git_sha", 7),
+    }

@@ -22,7 +22,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from loaders.replicates import is_replicate, log_records  # reports/loaders/ (cwd: reports/)
+from loaders.replicates import (  # reports/loaders/ (cwd: reports/)
+    is_replicate,
+    log_records,
+    provenance,
+)
 
 from effdl.answers import Answer
 from effdl.notebooks import REPORTS
@@ -474,11 +478,9 @@ def headline_ratios(frame):
 
 def side_text(frame):
     """GPU, host (env.gpu_id) and commit (7 characters) of a log's records."""
-    gpus = ", ".join(sorted({device_name(rec) for _, rec in frame.iterrows()}))
-    hosts = sorted({h for h in frame["host"] if h})
-    host = ", ".join(hosts) if hosts else "не записан (в журнале нет поля env.gpu_id)"
-    shas = ", ".join(sorted({str(s)[:7] for s in frame["env.git_sha"].dropna()}))
-    return f"{gpus}, хост {host}, коммит {shas or NOT_MEASURED}"
+    where = provenance(frame)
+    host = ", ".join(where["host id"]) or "не записан (в журнале нет поля env.gpu_id)"
+    return f"{', '.join(where['GPU'])}, хост {host}, коммит {', '.join(where['git sha']) or NOT_MEASURED}"
 
 
 def key_text(key):

@@ -11,7 +11,7 @@ displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
 
 import numpy as np
 import pandas as pd
-from loaders.replicates import log_records  # reports/loaders/ (cwd: reports/)
+from loaders.replicates import log_records, provenance  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
 from effdl.results import ResultsFormatError, device_name, find_log, results_dir
@@ -458,15 +458,11 @@ def measurement(e):
     return out
 
 
-def env_values(df, name, width=None):
-    values = sorted({str(v)[:width] for v in col(df, f"env.{name}").dropna()})
-    return ", ".join(values) if values else "not logged"
-
-
 def side_line(label, e):
+    where = {k: ", ".join(v) or "not logged" for k, v in provenance(e).items()}
     return (
         f"- {label}: {', '.join(sorted(e['source'].unique()))} ({len(e)} epochs), {device_of(e)}, "
-        f"host id {env_values(e, 'gpu_id')}, git {env_values(e, 'git_sha', 7)}"
+        f"host id {where['host id']}, git {where['git sha']}"
     )
 
 

@@ -18,6 +18,7 @@ import re
 
 import numpy as np
 import pandas as pd
+from loaders.replicates import provenance  # reports/loaders/ (cwd: reports/)
 
 import effdl
 from effdl.answers import Answer
@@ -659,15 +660,7 @@ def config_diff(r, ref):
 
 def side(frame):
     # GPU name, host id and git sha (first 7 characters) of runs, each value once.
-    def each(col, n=None):
-        vals = frame[col].dropna().astype(str).str.slice(0, n) if col in frame else []
-        return ", ".join(dict.fromkeys(vals)) or NOT_MEASURED
-
-    return {
-        "GPU": each("env.gpu"),
-        "host id": each("env.gpu_id"),
-        "git sha": each("env.git_sha", 7),
-    }
+    return {k: ", ".join(v) or NOT_MEASURED for k, v in provenance(frame).items()}
 
 
 def replicate_comparison():

@@ -1,0 +1,38 @@
+"""reports/loaders/replicates.py: the provenance of a log's records, as the appendices caption it."""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from effdl.results import device_name
+
+
+@pytest.fixture
+def replicates(monkeypatch):
+    # the notebooks import ``loaders`` from reports/
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "reports"))
+    from loaders import replicates
+
+    return replicates
+
+
+def test_provenance_lists_each_value_once_sorted_and_skips_missing(replicates):
+    frame = pd.DataFrame({
+        "env.gpu": ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H200"],
+        "env.gpu_id": ["b2", np.nan, "a1"],
+        "env.git_sha": ["7abdface5", "7abdface5", "0123456789"],
+    })  # fmt: skip
+    got = replicates.provenance(frame)
+    assert got == {
+        "GPU": sorted({device_name(row) for _, row in frame.iterrows()}),
+        "host id": ["a1", "b2"],
+        "git sha": ["0123456", "7abdfac"],
+    }
+
+
+def test_provenance_of_a_log_without_host_or_commit_fields(replicates):
+    got = replicates.provenance(pd.DataFrame({"env.gpu": ["NVIDIA H200"]}))
+    assert got["host id"] == [] and got["git sha"] == []
+    assert got["GPU"] == [device_name(pd.Series({"env.gpu": "NVIDIA H200"}))]
