@@ -1,24 +1,15 @@
 """reports/loaders/replicates.py: the provenance of a log's records, as the appendices caption it."""
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
-import pytest
 
 from effdl.results import device_name
+from tests.script_loading import load_script
+
+replicates = load_script("reports/loaders", "replicates")
 
 
-@pytest.fixture
-def replicates(monkeypatch):
-    # the notebooks import ``loaders`` from reports/
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "reports"))
-    from loaders import replicates
-
-    return replicates
-
-
-def test_provenance_lists_each_value_once_sorted_and_skips_missing(replicates):
+def test_provenance_lists_each_value_once_sorted_and_skips_missing():
     frame = pd.DataFrame({
         "env.gpu": ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H200"],
         "env.gpu_id": ["b2", np.nan, "a1"],
@@ -32,7 +23,7 @@ def test_provenance_lists_each_value_once_sorted_and_skips_missing(replicates):
     }
 
 
-def test_provenance_of_a_log_without_host_or_commit_fields(replicates):
+def test_provenance_of_a_log_without_host_or_commit_fields():
     got = replicates.provenance(pd.DataFrame({"env.gpu": ["NVIDIA H200"]}))
     assert got["host id"] == [] and got["git sha"] == []
     assert got["GPU"] == [device_name(pd.Series({"env.gpu": "NVIDIA H200"}))]
