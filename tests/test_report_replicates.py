@@ -3,7 +3,6 @@
 import numpy as np
 import pandas as pd
 
-from effdl.results import device_name
 from tests.script_loading import load_script
 
 replicates = load_script("reports/loaders", "replicates")
@@ -17,7 +16,7 @@ def test_provenance_lists_each_value_once_sorted_and_skips_missing():
     })  # fmt: skip
     got = replicates.provenance(frame)
     assert got == {
-        "GPU": sorted({device_name(row) for _, row in frame.iterrows()}),
+        "GPU": ["NVIDIA H100 80GB HBM3", "NVIDIA H200"],
         "host id": ["a1", "b2"],
         "git sha": ["0123456", "7abdfac"],
     }
@@ -26,4 +25,4 @@ def test_provenance_lists_each_value_once_sorted_and_skips_missing():
 def test_provenance_of_a_log_without_host_or_commit_fields():
     got = replicates.provenance(pd.DataFrame({"env.gpu": ["NVIDIA H200"]}))
     assert got["host id"] == [] and got["git sha"] == []
-    assert got["GPU"] == [device_name(pd.Series({"env.gpu": "NVIDIA H200"}))]
+    assert got["GPU"] == ["NVIDIA H200"]
