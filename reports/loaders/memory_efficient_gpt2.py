@@ -14,7 +14,7 @@ import math
 import pandas as pd
 
 from effdl.answers import Answer, Target
-from effdl.results import device_name, find_log, load_results, on_gpu, read_records, results_dir
+from effdl.results import device_name, find_log, load_results, on_gpu, read_records, results_dir  # noqa: F401 (find_log: the notebook)
 from effdl.tables import MISSING
 from effdl.tables import measured as value_or_missing
 
@@ -22,7 +22,11 @@ GIB = 1024**3
 df = load_results(results_dir("results") / "gpt2")
 # the optimizer-equivalence probe and the fine-tune on code have their own record layouts: their
 # sections read them
-df = df[~df["source"].str.startswith(("optimizer_equivalence", "gpt2_finetune_code"))]
+df = df[
+    ~df["source"].str.startswith(
+        ("optimizer_equivalence", "gpt2_finetune_code", "gpt2_xl_pretrain_docs")
+    )
+]
 # run logs store non-finite floats as strings ("nan": e.g. GPU memory on a CPU run)
 for col in df.columns:
     if col.startswith(("metrics.", "config.")) and col != "metrics.timeline":
@@ -313,10 +317,34 @@ pre_table = pd.DataFrame(pre_rows)
 pre_pass = pre_table[pre_table["both targets"] == "MET"] if len(pre_table) else pre_table
 
 
-# The fine-tune of GPT-2-XL on code (finetune_code.py), where its log is in the folder.
-ft_path = find_log(results_dir("results") / "gpt2" / "gpt2_finetune_code.jsonl")
-ft = read_records(ft_path) if ft_path.exists() else []
-ft_summary = next((r for r in ft if r["variant"] == "finetune_summary"), None)
+# The fine-tunes of GPT-2-XL on code (finetune_code.py), one log per run, and the documentation
+# pretraining (pretrain.py --corpus docs) their starting weights come from, where the logs exist.
+def summary_of(records, variant):
+    return next((r for r in records if r["variant"] == variant), None)
+
+
+GPT2_DIR = results_dir("results") / "gpt2"
+ft_logs = {p: read_records(p) for p in sorted(GPT2_DIR.glob("gpt2_finetune_code*.jsonl*"))}
+ft_logs = {p: recs for p, recs in ft_logs.items() if summary_of(recs, "finetune_summary")}
+ft_runs = pd.DataFrame([
+    {"log": p.name, "steps": s["metrics"]["steps"], "passes": s["metrics"]["passes"],
+     "held-out loss before": s["metrics"]["heldout_loss_before"],
+     "held-out loss after": s["metrics"]["heldout_loss_after"],
+     "seq/s (median)": s["metrics"]["seq_per_s_median"],
+     "peak GPU GiB": s["metrics"]["peak_gib_max"], "GPU cap GiB": s["config"]["memory_cap_gib"],
+     "host RSS peak GiB (sampled)": s["metrics"]["host_rss_peak_gib"],
+     "host RSS high-water GiB": s["metrics"]["host_rss_high_water_gib"],
+     "host cap GiB": s["config"]["host_memory_cap_gib"],
+     "GPU": device_name(s["env"]), "git": s["env"]["git_sha"][:8]}
+    for p, recs in ft_logs.items() for s in [summary_of(recs, "finetune_summary")]
+])  # fmt: skip
+# the generations shown side by side: the longest fine-tune's
+ft_path = max(ft_logs, key=lambda p: summary_of(ft_logs[p], "finetune_summary")["metrics"]["steps"],
+              default=GPT2_DIR / "gpt2_finetune_code.jsonl")  # fmt: skip
+ft = ft_logs.get(ft_path, [])
+ft_summary = summary_of(ft, "finetune_summary")
+docs_logs = sorted(GPT2_DIR.glob("gpt2_xl_pretrain_docs*.jsonl*"))
+docs_pretrain = summary_of(read_records(docs_logs[0]), "pretrain_summary") if docs_logs else None
 
 # The numbers the answers and our targets read.
 cap = steps["config.memory_cap_gib"].max()
@@ -358,8 +386,9 @@ def finetune_answer():
         return MISSING
     m = ft_summary["metrics"]
     n = len({r["metrics"]["prompt"] for r in ft if r["variant"] == "after"})
-    return (f"held-out code loss {m['heldout_loss_before']:.2f} → {m['heldout_loss_after']:.2f} nats/token; "
-            f"{n} prompts' greedy and sampled continuations before/after ({device_name(ft_summary['env'])})")  # fmt: skip
+    return (f"held-out code loss {m['heldout_loss_before']:.2f} → {m['heldout_loss_after']:.2f} nats/token "
+            f"after {m['steps']} steps; {n} prompts' greedy and sampled continuations before/after "
+            f"({device_name(ft_summary['env'])})")  # fmt: skip
 
 
 host_masters = budget.get("metrics.host_master_fp32_gib")
@@ -425,3 +454,12 @@ for level, need in XL_OURS.items():
 if len(gen_falls):
     targets.append(Target("generated fixed batch: loss falls ≥ 50% in 30 steps",
                           f"{gen_falls.min():.1%} to {gen_falls.max():.1%}", bool((gen_falls >= 0.5).all())))  # fmt: skip
+CAP_FIELDS = ["peak GPU GiB", "GPU cap GiB", "host RSS high-water GiB", "host cap GiB"]
+for _, row in (ft_runs.dropna(subset=CAP_FIELDS) if len(ft_runs) else ft_runs).iterrows():
+    targets.append(Target(
+        f"fine-tune on code, {row['steps']} steps at level 3: GPU ≤ {row['GPU cap GiB']:g} GiB and the "
+        f"process's host high-water mark ≤ {row['host cap GiB']:g} GiB",
+        f"peak GPU {row['peak GPU GiB']:.2f} GiB, host high-water {row['host RSS high-water GiB']:.2f} GiB",
+        bool(row["peak GPU GiB"] <= row["GPU cap GiB"]
+             and row["host RSS high-water GiB"] <= row["host cap GiB"]),
+    ))  # fmt: skip
