@@ -91,7 +91,7 @@ def build_gpt2(config=None, model_path: Path | None = None, *, fast_gelu: bool =
 
     if model_path is not None:
         act = "gelu_pytorch_tanh" if fast_gelu else "gelu_new"
-        return GPT2LMHeadModel.from_pretrained(
+        model = GPT2LMHeadModel.from_pretrained(
             model_path,
             local_files_only=True,
             torch_dtype=torch.float32,
@@ -99,7 +99,21 @@ def build_gpt2(config=None, model_path: Path | None = None, *, fast_gelu: bool =
             attn_implementation="sdpa",
             use_cache=False,
         )
+        return _detached_from_file(model)
     return GPT2LMHeadModel(config if config is not None else gpt2_config("large"))
+
+
+def _detached_from_file(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every tensor copied out of the weight file's memory map.
+
+    ``from_pretrained`` maps the file and reads it lazily; the pages it reads stay in the
+    process's resident set as long as the map lives, beside the copies an offloaded run makes of
+    the same weights, so the host cap would count them twice. Copied, the map is released.
+    """
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data = t.data.clone()
+    return model
 
 
 def load_gpt2(

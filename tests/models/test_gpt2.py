@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from effdl.models.gpt2 import (
     GPT2_LARGE_PARAMS,
@@ -189,3 +192,45 @@ def test_load_gpt2_sets_every_dropout_and_reports_weights_that_do_not_load(
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelFolderError, match=f"cannot load {re.escape(str(broken))}"):
         load_gpt2("tiny", broken)
+
+
+# Run in a fresh interpreter: the resident set of the test process holds whatever ran before.
+_FILE_PAGES_PROBE = """
+import sys
+from pathlib import Path
+import torch
+from transformers import GPT2LMHeadModel
+from effdl.models.gpt2 import load_gpt2
+
+def file_backed_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile"):
+            return int(line.split()[1]) / 1024
+
+folder = Path(sys.argv[1])
+load_gpt2("tiny")  # the libraries a load maps are resident before the count starts
+before = file_backed_mib()
+model = load_gpt2("tiny", folder)
+total = sum(float(p.double().sum()) for p in model.parameters())  # every page read
+grown = file_backed_mib() - before
+hf = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True)
+same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), hf.state_dict().values()))
+tied = model.lm_head.weight is model.transformer.wte.weight
+print(grown, same, tied)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's /proc")
+def test_loaded_weights_leave_no_file_pages_resident(tmp_path) -> None:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=512, n_head=8, vocab_size=50257)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "m")
+    file_mib = (tmp_path / "m" / "model.safetensors").stat().st_size / 2**20
+    out = subprocess.run(
+        [sys.executable, "-c", _FILE_PAGES_PROBE, str(tmp_path / "m")],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    grown, same, tied = float(out[-3]), out[-2], out[-1]
+    assert (same, tied) == ("True", "True")
+    # mapped and read, the file's pages would add its whole size (about 124 MiB here)
+    assert grown < 0.1 * file_mib, (grown, file_mib)
