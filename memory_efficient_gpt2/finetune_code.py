@@ -99,7 +99,7 @@ class FinetuneConfig(TrainConfig):
 
 
 FULL = FinetuneConfig(
-    **LEVELS[3], level=3, steps=40, lr=1e-4, warmup_steps=4, lr_schedule="cosine"
+    **LEVELS[3], level=3, steps=100, lr=1e-4, warmup_steps=4, lr_schedule="cosine"
 )  # fmt: skip
 QUICK = FinetuneConfig(
     size="tiny", steps=4, batch=8, seq=64, micro_batch=2, lr=1e-3, warmup_steps=1,
