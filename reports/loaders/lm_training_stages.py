@@ -292,13 +292,9 @@ def triton_view(s):
     return s
 
 
-# The Triton kernels launched from Python (kernel[grid](...)) as FusedLayerNorm launches them for
-# large inputs: a log of their own (its ``fused`` is Triton at every size) where present, else the
-# benchmark log's ``triton`` variant, else its ``fused``.
-GRID_LOG = find_log(LM / "layer_norm_benchmark_triton_kernel_grid.jsonl")
-grid_records = read_records(GRID_LOG) if GRID_LOG.exists() else []
-grid = ln_summary(grid_records) if grid_records else None
-TRITON = grid if grid is not None else triton_view(summary)
+# The Triton kernels launched from Python (kernel[grid](...)) at every size: the benchmark log's
+# ``triton`` variant.
+TRITON = triton_view(summary)
 TRITON_GRAPH = "fused graph frac copy" in TRITON
 
 
@@ -314,9 +310,7 @@ def ln_kernel_answer(s):
 
 # Stage 9 of the study with each LayerNorm (speedup_stages.py --layer-norm ..., the variants'
 # runs interleaved on one host): one log per variant, layer_norm_ablation_stage9_<variant>.jsonl.
-ABLATION_LABELS = {"torch_kernel": "torch's kernel", "triton_kernels": "the Triton kernels",
-                   "cpp_op": "Triton via the C++ op",
-                   "python_function": "Triton via the Python Function"}  # fmt: skip
+ABLATION_LABELS = {"torch_kernel": "torch's kernel", "triton_kernels": "the Triton kernels"}
 ABLATION_PREFIX = "layer_norm_ablation_stage9_"
 ablation_keys = {p.name.removeprefix(ABLATION_PREFIX).split(".")[0]
                  for p in LM.glob(f"{ABLATION_PREFIX}*.jsonl*")}  # fmt: skip
