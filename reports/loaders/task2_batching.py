@@ -4,17 +4,15 @@ Builds the mock-epoch records of every pipeline (BRAIN, BIG BRAIN, ULTRA DUPER B
 and with a token budget, packed rows) with their ratios to the ideal, one summary row per
 variant, the repeated token-budget and packed epochs per GPU, the training, sampler-cost and
 packing logs, the host and kernel probes, and the rows of the report's answers and targets
-tables; for the last appendix, the replicate of the repeated epochs on a second host set against
-its main log (replicate logs, ``*_replicate*``, are read there only, never by a main table). It
-displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
+tables; for the last appendix, where each log was made. It displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
 """
 
 import numpy as np
 import pandas as pd
-from loaders.replicates import log_records, provenance  # reports/loaders/ (cwd: reports/)
+from loaders.replicates import log_records  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
-from effdl.results import ResultsFormatError, device_name, find_log, results_dir
+from effdl.results import device_name, read_records, results_dir
 from effdl.tables import measured
 
 RESULTS = results_dir("results") / "task2"
@@ -35,16 +33,11 @@ EXPECTED += [(f"ultra_k{k}", "ultra", k, None) for k in (1, 5, 10, 20, 50, 640)]
 EXPECTED += [("ultra_k5_mt40960", "ultra", 5, 40960)]
 EXPECTED += [(p, p, None, None) for p in ("packed_concat", "packed_bfd")]
 BUDGET_VARIANTS = ["ultra_k5_mt40960", "packed_concat", "packed_bfd"]
-# A replicate log reruns a main log's command on another host (same record format); it is read
-# only by the appendix that sets it against its main log, never by a main table or target.
-REPLICATE_LOG = "mock_epoch_packed_ultra_budget_replicate.jsonl"
-REPLICATED_LOG = "mock_epoch_packed_ultra_budget_repeats.jsonl"  # the main log it replicates
 
 
-def load(pattern, folder=RESULTS, replicate=False):
-    # Every record of the logs matching pattern (or their .gz form), or None if there are none:
-    # of the main logs, or with replicate, of the replicate logs (*_replicate*) only.
-    rows = log_records(folder, (pattern, pattern + ".gz"), replicate)
+def load(pattern, folder=RESULTS):
+    # Every record of the main logs matching pattern (or their .gz form), or None if there are none.
+    rows = log_records(folder, (pattern, pattern + ".gz"))
     if not rows:
         return None
     df = pd.DataFrame(rows)
@@ -229,6 +222,27 @@ slower = [
 ]
 per_batch = lambda v: S.loc[v, "metrics.slots"] / S.loc[v, "metrics.n_batches"]  # noqa: E731
 outside = S["metrics.epoch_s"] - S["metrics.compute_s"]  # epoch wall time beyond the forwards
+
+
+def ultra_minimum():
+    """No ULTRA k = 1..50 epoch slower than BIG BRAIN's, and what its batch minimum is: the
+    fastest and the 5th-percentile batch and the narrowest batch's width (logged percentiles)."""
+    vs = [f"ultra_k{k}" for k in ultra_k]
+    fastest, median = (
+        S.loc[vs, "metrics.batch_s_min"] * 1e3,
+        S.loc[vs, "metrics.batch_s_median"] * 1e3,
+    )
+    p5 = [S.loc[v, "batch_pct"][1] * 1e3 for v in vs]
+    narrowest = [S.loc[v, "width_pct"][0] for v in vs]
+    return (
+        f"none is (epochs {value_range(S.loc[vs, 'metrics.epoch_s'], '.1f')} s against "
+        f"{S.loc['bigbrain', 'metrics.epoch_s']:.1f} s); their fastest batch "
+        f"({value_range(fastest, '.2f')} ms, {value_range(median / fastest, '.0f')}x below the "
+        f"median) is an outlier: the 5th percentile is {value_range(p5, '.2f')} ms and the "
+        f"narrowest batch {value_range(narrowest, '.0f')} tokens wide"
+    )
+
+
 if slower:
     vs = [f"ultra_k{k}" for k in slower]
     bb = S.loc["bigbrain"]
@@ -255,7 +269,7 @@ if slower:
     else:
         why = f"k = {', '.join(map(str, slower))}: {slots}; {forwards}; {beyond}"
 else:
-    why = "no ULTRA k = 1..50 epoch is slower than BIG BRAIN's" if ultra_k else measured(None)
+    why = ultra_minimum() if ultra_k else measured(None)
 tr = (
     train_all.sort_values("env.time").groupby("variant").tail(1).set_index("variant")
     if train_all is not None
@@ -351,7 +365,7 @@ answers = [
         "BIG BRAIN against BRAIN, and k = 640",
     ),
     Answer(
-        "Why some k are slower than BIG BRAIN",
+        "ULTRA k = 1..50 slower than BIG BRAIN?",
         why,
         "ULTRA: 64 lines per batch against a token budget",
     ),
@@ -433,128 +447,17 @@ else:
     targets.append(Target("BFD on 1.8M sequences < 10 s, fill >= 99%", None, None))
 TARGETS_SOURCE = f"epoch targets: the repeated epochs on {MAIN_GPU or NOT_MEASURED}"
 
-# Appendix: the token-budget ULTRA and packed epochs against the ideal on a second host. The
-# replicate log is set against the main log it replicates only where both measured the same thing:
-# the same variants (pipeline, k, token budget) and the same values of these config fields.
-MEASUREMENT_FIELDS = [
-    *("pipeline", "k", "max_tokens", "batch_size", "max_length", "max_batches", "overflow"),
-    *("d_model", "n_heads", "n_layers", "d_ff", "vocab_size", "dtype"),
-    *("corpus", "n_samples", "corpus_tokens", "num_workers", "seed"),
-]
 
-
-def plain(value):
-    # A config value as text, the same whatever dtype pandas gave its column (5 and 5.0 alike).
-    if isinstance(value, (float, np.floating)) and float(value).is_integer():
-        value = int(value)
-    return str(value)
-
-
-def measurement(e):
-    # What a log's epochs measured: its variants and the values of MEASUREMENT_FIELDS.
-    out = {"variants": ", ".join(sorted(e["variant"].unique()))}
-    for name in MEASUREMENT_FIELDS:
-        out[name] = ", ".join(sorted({plain(v) for v in col(e, f"config.{name}").dropna()})) or "-"
-    return out
-
-
-def side_line(label, e):
-    where = {k: ", ".join(v) or "not logged" for k, v in provenance(e).items()}
-    return (
-        f"- {label}: {', '.join(sorted(e['source'].unique()))} ({len(e)} epochs), {device_of(e)}, "
-        f"host id {where['host id']}, git {where['git sha']}"
-    )
-
-
-def within(value):
-    return "met" if value <= TARGET_RATIO else "not met"
-
-
-def replicate_comparison(main, rep, same_host):
-    # Per variant (columns): both ratios, main median and range against the replicate; the target
-    # verdict on each side. Notes: one line per variant on its verdict.
-    rows, notes = {}, []
-    for v in BUDGET_VARIANTS:
-        m, r = main[main["variant"] == v], rep[rep["variant"] == v]
-        row = {"epochs: main / replicate": f"{len(m)} / {len(r)}"}
-        for ratio, name in (("epoch_adj", "epoch / ideal"), ("compute_adj", "compute / ideal")):
-            mv, rv = m[ratio].dropna(), r[ratio].dropna()
-            row[f"{name}: main median"] = measured(mv.median() if len(mv) else None, ".3f")
-            row[f"{name}: main min-max"] = range_or_not(mv)
-            row[f"{name}: replicate"] = measured(rv.median() if len(rv) else None, ".3f")
-            row[f"{name}: replicate inside main range"] = (
-                ("yes" if mv.min() <= rv.median() <= mv.max() else "no")
-                if len(mv) and len(rv)
-                else NOT_MEASURED
-            )
-        me, re_ = m["epoch_adj"].dropna(), r["epoch_adj"].dropna()
-        row["target (epoch / ideal <= 1.15): main"] = (
-            within(me.median()) if len(me) else NOT_MEASURED
-        )
-        row["target: replicate"] = within(re_.median()) if len(re_) else NOT_MEASURED
-        if not (len(me) and len(re_)):
-            same = NOT_MEASURED
-            notes.append(f"- {v}: {NOT_MEASURED} on one side at least: no verdict to compare")
-        elif same_host:
-            same = "same host: no second-host verdict"
-        else:
-            agree = within(me.median()) == within(re_.median())
-            same = "yes" if agree else "no"
-            notes.append(
-                f"- {v}: target verdict {'the same' if agree else 'not the same'} on the second "
-                f"host (main median {me.median():.3f}x, {within(me.median())}; second host "
-                f"{re_.median():.3f}x, {within(re_.median())})"
-            )
-        row["same target verdict on the second host"] = same
-        rows[v] = row
-    return pd.DataFrame(rows), notes
-
-
-def second_host():
-    # The appendix's lines and table (None where there is nothing to compare).
-    where = f"task2/{REPLICATE_LOG}"
-    if not find_log(RESULTS / REPLICATE_LOG).exists():
-        return [f"Second host: {NOT_MEASURED} (log absent: {where})."], None
-    try:
-        rep_all = load(REPLICATE_LOG, replicate=True)
-    except ResultsFormatError as e:
-        why = str(e).replace(str(RESULTS), "task2")
-        return [f"Second host: {NOT_MEASURED} (log unreadable: {why})."], None
-    rep = epochs_against_ideal(rep_all) if rep_all is not None else None
-    if rep is None or rep.empty:
-        return [f"Second host: {NOT_MEASURED} ({where} holds no timed epoch)."], None
-    main = epochs[epochs["source"].str.removesuffix(".gz") == REPLICATED_LOG]
-    if main.empty:
-        return [
-            f"Main log task2/{REPLICATED_LOG} absent: nothing to set the replicate against."
-        ], None
-    lines = [side_line("main log", main), side_line("replicate", rep)]
-    cm, cr = measurement(main), measurement(rep)
-    differ = [f"{k} (main {cm[k]}; replicate {cr[k]})" for k in cm if cm[k] != cr[k]]
-    if differ:
-        lines.append(
-            "The two logs measured different things, so they are not compared: "
-            + "; ".join(differ)
-            + "."
-        )
-        return lines, None
-    shared = set(col(main, "env.gpu_id").dropna()) & set(col(rep, "env.gpu_id").dropna())
-    if shared:
-        lines.append(
-            f"The replicate is from the same host as the main log (host id {', '.join(sorted(shared))}): "
-            "it gives run-to-run spread on that host, not a second host's verdict."
-        )
-    elif col(main, "env.gpu_id").isna().any() or col(rep, "env.gpu_id").isna().any():
-        lines.append(
-            "Same variants and config on both sides (repeats aside); a host id is not logged on "
-            "every epoch, so the verdicts below may come from one host."
-        )
-    else:
-        lines.append("Same variants and config on both sides (repeats aside); two different hosts.")
-    if device_of(main) != device_of(rep):
-        lines.append(f"GPU kinds differ: {device_of(main)} against {device_of(rep)}.")
-    table, notes = replicate_comparison(main, rep, bool(shared))
-    return lines + notes, table
-
-
-REPLICATE_LINES, REPLICATE_TABLE = second_host()
+# Appendix: where each log the report reads was made.
+def provenance_table():
+    """One row per log under task2/ (probes included): git sha, GPU model, GPU tag(s), runs
+    (distinct run ids)."""
+    rows = []
+    for p in sorted(RESULTS.rglob("*.jsonl*")):
+        envs = [r.get("env", {}) for r in read_records(p)]
+        rows.append({"log": str(p.relative_to(RESULTS)),
+                     "git sha": ", ".join(sorted({str(e.get("git_sha"))[:7] for e in envs})),
+                     "GPU": ", ".join(sorted({device_name(e) for e in envs})),
+                     "GPU tag(s)": ", ".join(sorted({e.get("gpu_id") or "CPU" for e in envs})),
+                     "runs": len({e.get("run_id") for e in envs})})  # fmt: skip
+    return pd.DataFrame(rows).set_index("log")
