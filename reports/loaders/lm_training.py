@@ -3,8 +3,8 @@
 Builds what the report's sections read: the one-GPU run summaries, steps and evals of train.py;
 the data deliverables (D1-D4); Deliverable 5's settings against the baseline; the feed-forward
 GEMMs of one layer from the profiler trace (D6); the multi-GPU logs (1, 2 and 4 GPUs, the 8B
-model beside torchtitan, the checkpoint resume, DDP on 2 GPUs); the MFU target's runs per host;
-and the answers and targets of the report's first two tables. It displays nothing: the
+model beside torchtitan, the checkpoint resume, DDP on 2 GPUs); the MFU target's runs;
+the provenance table; and the answers and targets of the report's first two tables. It displays nothing: the
 notebook runs it with ``%run -i`` and shows the tables.
 """
 
@@ -23,10 +23,18 @@ from effdl.tables import measured
 RESULTS = results_dir("results")
 LM = RESULTS / "lm_training"
 NOT_MEASURED = "not measured"
-DATASHEET_TFLOPS = 989.0  # H100 / H200 SXM dense bf16, NVIDIA datasheet
-HBM_TB_S = 3.35  # H100 SXM HBM3, NVIDIA datasheet (the seed quotes 4 TB/s)
+DATASHEET_TFLOPS = 989.0  # H100 / H200 SXM dense bf16, NVIDIA datasheets (the seed's figure)
+# HBM bandwidth per GPU model, NVIDIA datasheets (SXM parts); the seed quotes 4 TB/s.
+DATASHEET_HBM_TB_S = {"NVIDIA H100 80GB HBM3": 3.35, "NVIDIA H200": 4.8}
 SEED_HBM_TB_S = 4.0
-RIDGE = DATASHEET_TFLOPS / HBM_TB_S  # FLOP/B: the datasheet pair gpu_ceilings.ipynb uses
+
+
+def ridge(hbm_tb_s):
+    """The roofline ridge in FLOP/B, defined as in gpu_ceilings.ipynb: the datasheet dense bf16
+    peak over the datasheet HBM bandwidth of the GPU the kernels ran on."""
+    return DATASHEET_TFLOPS / hbm_tb_s
+
+
 TARGET_MFU = {2048: 0.55, 4096: 0.50}
 TARGET_2GPU, TARGET_8B_MFU, TARGET_VS_TITAN = 1.85, 0.45, 1.15
 TARGET_PER_GPU = {2: 0.95, 4: 0.93}
@@ -94,12 +102,6 @@ data_rec = train[train["variant"].str.endswith("_data")]
 ON_GPU = summ["env.gpu"].notna().any()
 # the device that ran: the first GPU of the logs, or the CPU where no run had one
 GPU = device_name(summ[summ["env.gpu"].notna()].iloc[0] if ON_GPU else summ.iloc[0])
-SQUARE_GEMM = summ["config.measured_bf16_tflops"].dropna()  # best square bf16 GEMM measured
-SQUARE_GEMM = float(SQUARE_GEMM.iloc[0]) if len(SQUARE_GEMM) else None
-try:
-    COPY_GB_S = float(load_results(RESULTS / "ceilings")["metrics.gb_per_s"].dropna().max())
-except (FileNotFoundError, KeyError):
-    COPY_GB_S = float("nan")
 LOGS = sorted(set(runs["source"]))  # the one-GPU run logs read as runs
 
 # Deliverables 1-4
@@ -192,8 +194,14 @@ def d5_answer(lab):
 # Deliverable 6: the feed-forward GEMMs of one layer from the profiler trace
 traces = sorted(LM.glob("traces/trace_*.json*"))
 gemms = g = None
+TRACE_GPU = HBM_TB_S = RIDGE = None
 if traces:
     path = traces[0]
+    # the run that wrote the trace names its GPU: train.py --name <run> writes trace_<run>.json.gz
+    traced = summ[summ["run"] == path.name.split(".")[0].removeprefix("trace_")]
+    TRACE_GPU = device_name(traced.iloc[0] if len(traced) else summ.iloc[0])
+    HBM_TB_S = DATASHEET_HBM_TB_S.get(TRACE_GPU)  # None on a CPU or another GPU model
+    RIDGE = ridge(HBM_TB_S) if HBM_TB_S else None
     with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
         trace = json.load(f)
     ev_x = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -253,13 +261,12 @@ if gemms is not None and len(gemms):
     g["MB moved"] = 2 * (g["m"] * g["k"] + g["k"] * g["n"] + g["m"] * g["n"]) / 1e6
     g["TFLOP/s"] = g["GFLOP"] / g["median"] * 1e3
     g["% of 989"] = g["TFLOP/s"] / DATASHEET_TFLOPS
-    g["x best square GEMM"] = g["TFLOP/s"] / SQUARE_GEMM if SQUARE_GEMM else None
-    g["memory floor us"] = g["MB moved"] / HBM_TB_S
+    g["us at 4 TB/s"] = g["MB moved"] / SEED_HBM_TB_S  # the seed's bandwidth: the memory floor
     g["FLOP/byte"] = g["GFLOP"] * 1e3 / g["MB moved"]
-    g["bound"] = ["compute" if x > RIDGE else "memory" for x in g["FLOP/byte"]]
+    g["bound"] = ["compute" if x > ridge(SEED_HBM_TB_S) else "memory" for x in g["FLOP/byte"]]
     fw = g[g["pass"] == "forward"]
 
-# Several GPUs: the H200 host of the 1, 2 and 4-GPU study (the 8B runs ran there too)
+# Several GPUs: the 1, 2 and 4-GPU study, the 8B model and the DDP, checkpoint and resume logs
 multi = load(f"{SEVERAL_GPUS}*.jsonl")
 if multi is not None:
     multi = multi[~multi["source"].str.startswith(EACH_ALONE)]
@@ -326,8 +333,8 @@ def loss_curve(df):
 RESUME = None
 AC = None
 if multi is not None:
-    # The resume study and the activation-checkpoint policies may come from another host of the same
-    # kind than the scaling study: each comparison below says which hosts it spans.
+    # The resume study and the activation-checkpoint policies ran on other GPUs than the scaling
+    # study: each comparison below says which runs it sets side by side.
     lm = multi[multi["task"] == "lm_training"]
     fsdp4 = lm[
         (lm["config.model"] == "1b") & (lm["config.world"] == 4) & (lm["config.parallel"] == "fsdp")
@@ -345,7 +352,7 @@ if multi is not None:
             "gap": (resumed - whole.loc[resumed.index]).abs().max(),
             "noise": (first - whole.loc[first.index]).abs().max(),
             "first": (int(first.index.min()), int(first.index.max())),
-            "same_host": set(whole_runs["env.gpu_id"]) == set(resumed_runs["env.gpu_id"]),
+            "same_gpus": set(whole_runs["env.gpu_id"]) == set(resumed_runs["env.gpu_id"]),
         }
 
     # Activation checkpointing: every policy against the no-recomputation run of its own host. Where
@@ -387,27 +394,28 @@ if multi is not None:
         )
 
 
-# The 1B model's MFU target: one fixed setting per sequence length, judged on the median over
-# the H100 hosts that ran it (each host's runs in the appendix).
-MFU_SETTING = {2048: (8, 16), 4096: (4, 8)}  # batch, micro-batches per step; --precision master
+# The 1B model's MFU target, per sequence length: the bf16-params + fp32-masters run with the most
+# tokens per optimizer step (a fixed rule, not the best MFU of several runs).
 mfu_runs = summ[(summ["config.precision"] == "master") & ~flag(summ, "profile")]
-MFU_HOSTS = {}
-for seq, (b, ga) in MFU_SETTING.items():
-    r = mfu_runs[(mfu_runs["config.sequence_length"] == seq) & (mfu_runs["config.batch_size"] == b)
-                 & (mfu_runs["config.grad_accumulation"] == ga)]  # fmt: skip
-    MFU_HOSTS[seq] = r.groupby("env.gpu_id")["metrics.mfu"].median()
+MFU_RUN = {}
+for seq in TARGET_MFU:
+    r = mfu_runs[mfu_runs["config.sequence_length"] == seq]
+    if len(r):
+        MFU_RUN[seq] = r.iloc[(r["config.batch_size"] * r["config.grad_accumulation"]).argmax()]
 
 
 def mfu_target(seq):
-    h = MFU_HOSTS[seq]
-    if not len(h):
-        return Target(f"1B MFU >= {TARGET_MFU[seq]:.0%} at seq {seq} (one H100)", None, None)
-    b, ga = MFU_SETTING[seq]
+    what = f"1B MFU >= {TARGET_MFU[seq]:.0%} at seq {seq} (one H100)"
+    r = MFU_RUN.get(seq)
+    if r is None:
+        return Target(what, None, None)
+    on_h100 = "H100" in device_name(r)
     return Target(
-        f"1B MFU >= {TARGET_MFU[seq]:.0%} at seq {seq} (one H100)",
-        f"{h.median():.1%}, median of {len(h)} hosts ({h.min():.1%}-{h.max():.1%}); batch {b} x {ga}, "
-        "bf16 params + fp32 masters, fused AdamW, compile",
-        bool(h.median() >= TARGET_MFU[seq]),
+        what,
+        f"{r['metrics.mfu']:.1%} on one {device_name(r)}; batch {int(r['config.batch_size'])} x "
+        f"{int(r['config.grad_accumulation'])} micro-batches, bf16 params + fp32 masters, fused "
+        "AdamW, compile" + ("" if on_h100 else "; no H100 run of this setting"),
+        bool(r["metrics.mfu"] >= TARGET_MFU[seq]) if on_h100 else None,
     )
 
 
@@ -472,14 +480,14 @@ if D:
 answers += [Answer(f"D5: {lab}", d5_answer(lab), S_SPEED) for lab, *_ in SETTINGS[:5]]
 if g is not None:
     answers += [
-        Answer("D6: FFN GEMMs against 989 TFLOP/s",
+        Answer("D6: the 3 FFN GEMMs of a layer (CPU + GPU timeline) against 989 TFLOP/s",
                f"forward {fw['median'].min():.0f}-{fw['median'].max():.0f} us each at {fw['TFLOP/s'].min():.0f}-"
                f"{fw['TFLOP/s'].max():.0f} TFLOP/s ({fw['% of 989'].min():.0%}-{fw['% of 989'].max():.0%}); "
                f"{fw['GFLOP'].iloc[0] / DATASHEET_TFLOPS * 1e3:.0f} us each at 989", S_GEMM),
-        Answer("D6: against memory bandwidth",
-               f"{span(fw['FLOP/byte'])} FLOP/B > ridge {RIDGE:.0f}: compute-bound; "
-               f"minimum traffic {fw['memory floor us'].iloc[0]:.0f} us at {HBM_TB_S} TB/s "
-               f"({fw['MB moved'].iloc[0] / SEED_HBM_TB_S:.0f} us at 4 TB/s)", S_GEMM),
+        Answer("D6: against 4 TB/s",
+               f"{span(fw['FLOP/byte'])} FLOP/B, above the ridge of 989 TFLOP/s / 4 TB/s = "
+               f"{ridge(SEED_HBM_TB_S):.0f} FLOP/B: compute-bound; their minimum traffic takes "
+               f"{fw['us at 4 TB/s'].iloc[0]:.0f} us at 4 TB/s ({TRACE_GPU})", S_GEMM),
     ]  # fmt: skip
 else:
     answers.append(
@@ -515,18 +523,68 @@ for gpus, need in TARGET_PER_GPU.items():
         ", ".join(f"{p.upper()} {x:.3f}x" for p, x in have.items()) or None,
         bool(min(have.values()) >= need) if len(have) == 2 else None,
     ))  # fmt: skip
-ddp2_by_host = {}
-for _a, b, x, _lo, _hi in DDP2.values():
-    ddp2_by_host.setdefault(f"{device_name(b)} [{str(b['env.gpu_id'])[:8]}]", []).append(x)
+others = [x for k, (_a, _b, x, _lo, _hi) in DDP2.items() if not k.startswith(SCALING_LOG)]
 targets.append(Target(
-    f"1B DDP on 2 GPUs >= {TARGET_2GPU}x one GPU's tokens/s (every host that ran it)",
-    "; ".join(f"{', '.join(f'{x:.2f}x' for x in xs)} on {host}" for host, xs in ddp2_by_host.items()) or None,
-    bool(min(min(xs) for xs in ddp2_by_host.values()) >= TARGET_2GPU) if ddp2_by_host else None,
+    f"1B DDP on 2 GPUs >= {TARGET_2GPU}x one GPU's tokens/s",
+    None if ddp_main is None else f"{ddp_main[2]:.3f}x (90% interval {ddp_main[3]:.3f}-{ddp_main[4]:.3f}; "
+    f"{len(others)} more logs: {span(pd.Series(others), '.3f')}x, appendix)",
+    None if ddp_main is None else bool(ddp_main[2] >= TARGET_2GPU),
 ))  # fmt: skip
 targets.append(Target(
     "checkpoint resume: the resumed loss matches the uninterrupted run within run-to-run noise (1B, FSDP2, 4 GPUs)",
     None if RESUME is None else f"largest loss gap {RESUME['gap']:.4f} after step {RESUME['at']}, "
-    f"run-to-run noise {RESUME['noise']:.4f}"
-    + ("" if RESUME["same_host"] else " (the uninterrupted run on another host of the same kind)"),
+    f"run-to-run noise {RESUME['noise']:.4f}",
     None if RESUME is None else bool(RESUME["gap"] <= RESUME["noise"]),
 ))  # fmt: skip
+
+
+def provenance():
+    """One row per log (and per trace) the report reads: git commit, GPU model, GPU tags, runs."""
+    frames = [f for f in (runs, multi) if f is not None]
+    logs = pd.concat(frames) if frames else pd.DataFrame()
+    rows = []
+    for src, f in logs.groupby("source"):
+        rows.append({
+            "log": src,
+            "git sha": ", ".join(sorted({str(x)[:7] for x in f["env.git_sha"].dropna()})),
+            "GPU": ", ".join(sorted({device_name(r) for _, r in f.drop_duplicates("env.run_id").iterrows()})),
+            "GPU tags (rank 0)": ", ".join(sorted({str(x) for x in f["env.gpu_id"].dropna()})) or "-",
+            "runs": f["env.run_id"].nunique(),
+        })  # fmt: skip
+    for path in traces + sorted(LM.glob("traces/kernels_*.json*")):
+        run = path.name.split(".")[0].removeprefix("trace_").removeprefix("kernels_")
+        rec = summ[summ["run"].isin([run, run + "_profile"])]
+        if len(rec):
+            r = rec.iloc[0]
+            rows.append({"log": f"traces/{path.name}", "git sha": str(r["env.git_sha"])[:7],
+                         "GPU": device_name(r), "GPU tags (rank 0)": str(r.get("env.gpu_id") or "-"),
+                         "runs": 1})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+PROVENANCE = provenance()
+
+
+def second_gpu_runs():
+    """The one-GPU runs on GPUs other than the study's (the one with most runs): micro-batches per
+    step and the attention backend, each beside the study GPU's run of the same setting, if any."""
+    gpu = summ["env.gpu_id"].fillna("CPU")
+    other = summ[(gpu != gpu.mode().iloc[0]) & ~flag(summ, "profile")]
+    key = ["config.sequence_length", "config.batch_size", "config.grad_accumulation",
+           "config.precision", "config.fused_optimizer", "config.compile", "config.attention"]  # fmt: skip
+    study = summ[(gpu == gpu.mode().iloc[0]) & ~flag(summ, "profile")]
+    rows = []
+    for _, r in other.iterrows():
+        same = study[(study[key].astype(str) == r[key].astype(str)).all(axis=1)]
+        rows.append({
+            "GPU tag": r["env.gpu_id"], "seq": int(r["config.sequence_length"]),
+            "batch x micro-batches": f"{int(r['config.batch_size'])} x {int(r['config.grad_accumulation'])}",
+            "attention": r.get("config.attention") or "auto",
+            "tokens/s": r["metrics.tokens_per_s"], "MFU": r["metrics.mfu"],
+            "peak GiB": r["metrics.peak_gib"],
+            "study GPU, same setting (tokens/s)": same["metrics.tokens_per_s"].median() if len(same) else None,
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+SECOND_GPU = second_gpu_runs()
