@@ -6,7 +6,8 @@ settings each undoes against the fixed preset; the fixed pipeline's repeated run
 them (CLS); the profiler records of the pipelines (ops, module forward ranges, per-iteration ranges,
 per-layer comparison, Profile's overhead); the per-iteration breakdown of the fixed pipeline's
 torch.profiler trace (IT, and the ranges of one iteration); the rows of the answers table
-(``answers``); and, for the appendix, the headline speed-up beside the same ratio from the
+(``answers``) and the stand-in line above it (``STAND_IN_LINE``); the provenance table of every
+log and trace read (``PROVENANCE``); and, for the appendix, the headline speed-up beside the same ratio from the
 replicate log (``vit_pipeline_replicate.jsonl``, the same commands on another host, kept out of
 every other section): ``REPLICATE_TABLE`` and ``REPLICATE_LINES``. It displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
 """
@@ -22,6 +23,7 @@ from loaders.replicates import provenance  # reports/loaders/ (cwd: reports/)
 
 import effdl
 from effdl.answers import Answer
+from effdl.data.stand_in import stand_in_values
 from effdl.results import load_results, results_dir
 from effdl.tables import is_missing, measured
 
@@ -62,6 +64,18 @@ CHANGES = {
         "`inference_mode`, image-weighted averages"),
     7: ("optimizer step", "in-place `zero_grad`, for-each Adam", "`set_to_none`, fused Adam"),
     8: ("AugMix on the device", "AugMix per image in the loader", "BatchedAugMix on the GPU batch"),
+}  # fmt: skip
+# Where each change sits in the as-given pipeline: the assignment's area (data processing, model,
+# training loop) and the code that holds the as-given behaviour.
+WHERE = {
+    1: ("data processing", "`AsGivenClothingDataset` (effdl/data/clothing.py)"),
+    2: ("data processing", "`make_loaders` (effdl/vit_pipeline/data.py)"),
+    3: ("model", "`Attention` of preset `AS_GIVEN` (effdl/models/vit.py)"),
+    4: ("training loop", "`build_trainer` (effdl/vit_pipeline/training.py)"),
+    5: ("training loop", "`BatchStats.add` (effdl/vit_pipeline/training.py)"),
+    6: ("training loop", "`run_phase` (effdl/vit_pipeline/training.py)"),
+    7: ("training loop", "`build_trainer`, `Trainer.train_step` (effdl/vit_pipeline/training.py)"),
+    8: ("data processing", "`as_given_transforms` (effdl/data/clothing.py)"),
 }  # fmt: skip
 UNDO = {  # the run that undoes each change (a setting of the fixed preset) and what it changes
     "model": 3, "precision": 4, "cudnn": 4, "sync_every_step": 5, "val_no_grad": 6,
@@ -115,6 +129,12 @@ def load(pattern, exclude=None):
 def data_set(source):
     kind = "generated Clothing-like" if str(source).startswith("clothing_like") else "real Clothing"
     return f"{kind} data set `{source}`"
+
+
+def gpu_name(host):
+    # The GPU model of a host label ("NVIDIA H200 #24c7bc89" -> "NVIDIA H200"): captions and
+    # titles name the GPU; its tag is in the provenance appendix only.
+    return str(host).split(" #")[0] if host else NOT_MEASURED
 
 
 def flag(field, value):
@@ -483,7 +503,7 @@ def trace_iterations():
             "GPU busy ms": ms(acts), "forward ms": ms(fwd), "forward kernels": len(fwd),
             "backward ms": ms(bwd), "backward kernels": len(bwd), "optimizer ms": ms(opt),
             "optimizer kernels": len(opt), "last GPU end after host end (ms)": (end - s["ts"] - s["dur"]) / 1e3,
-            "_step": s, "_acts": acts,
+            "_step": s, "_acts": acts, "_phases": {"forward": fwd, "backward": bwd, "optimizer": opt},
             "_ranges": pd.DataFrame(ranges, columns=RANGE_COLUMNS).set_index("range"),
         })  # fmt: skip
     return path, ev, pd.DataFrame(out).set_index("iteration") if out else None
@@ -531,7 +551,6 @@ def acc(r):
 
 
 wait_share = mid_at("host ms", "data_wait") / mid_at("iteration ms (host)")
-S = {n: f"{n}, {CHANGES[n][0]}" for n in CHANGES}
 _mod = of_kind("module")
 MOD_BATCH = (
     f", batch {int(_mod['config.batch_size'].iloc[0])}"
@@ -539,6 +558,74 @@ MOD_BATCH = (
     else ""
 )
 HOSTS = [PIPE_HOST] if main is not None else []
+PIPE_GPU, PROF_GPU, LAYER_GPU = gpu_name(PIPE_HOST), gpu_name(PROF_HOST), gpu_name(LAYER_HOST)
+
+
+def op_pairs():
+    # Self GPU time per iteration of ops with a forward and a backward kernel of their own (fixed
+    # profile's op records): [(forward op, backward op, forward ms, backward ms)].
+    ops = of_kind("op")
+    if not len(ops):
+        return []
+    per_op = ops.groupby(m + "name")[m + "self_device_time_total_us"].sum()
+    per_op = per_op / int(ops["config.active"].iloc[0]) / 1e3
+    pairs = (
+        ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
+        ("aten::_cudnn_attention_forward", "aten::_cudnn_attention_backward"),
+        ("aten::gelu", "aten::gelu_backward"),
+    )
+    return [(f, b, per_op[f], per_op[b]) for f, b in pairs if f in per_op and b in per_op]
+
+
+OP_NAMES = {"aten::native_layer_norm": "LayerNorm", "aten::_cudnn_attention_forward": "attention",
+            "aten::gelu": "GELU"}  # fmt: skip
+
+
+BWD_PAIRS = op_pairs()
+
+
+def stand_in_line():
+    # One line: the generated stand-in against the real Clothing set's published figures
+    # (stand_in_data.jsonl: image and label counts from Kaggle; photo sizes are not published).
+    si = load("stand_in_data.jsonl")
+    si = None if si is None else si[si["config.source"] == MAIN_SOURCE]
+    if si is None or si.empty:
+        return f"Data: {DATA}; its statistics against the real set: {NOT_MEASURED}."
+    v = stand_in_values(si)
+    got, pub = v["measured"], v["published"]
+    counts = v.index.str.startswith("count_")
+    off = (got[counts] - pub[counts]).abs().max()
+    return (
+        f"Data: a generated Clothing-like stand-in (`{MAIN_SOURCE}`), not the real photos: "
+        f"{got['images']:,.0f} images in {got['labels']:.0f} labels against the real set's "
+        f"{pub['images']:,.0f} in {pub['labels']:.0f} (Kaggle), each label's count within "
+        f"{off:.0f} image of the real one; photos {got['long_side_p0']:,.0f}-"
+        f"{got['long_side_p100']:,.0f} px on the long side (median {got['long_side_p50']:,.0f}), "
+        "sizes the real set does not publish."
+    )
+
+
+STAND_IN_LINE = stand_in_line()
+# The changes whose undoing made their own metric shorter in these runs (faster undone).
+FASTER_UNDONE = CLS[CLS["undone - fixed"] < 0] if len(CLS) else CLS
+
+
+def step_vs(r):
+    # "validation step 7.3 vs 9.8 ms" / "step 52.6 vs 63.4 ms": a CLS row's step times.
+    val = "validation " if r["metric"].startswith("median validation") else ""
+    return f"{val}step {r['undone']:.1f} vs {r['fixed']:.1f} ms"
+
+
+def undone_faster_text():
+    # The changes faster when undone, each with its numbers, and the fixed runs' own range.
+    if not len(FASTER_UNDONE):
+        return "(undone vs fixed median): none"
+    lo, hi = NOISE.loc["train", "min"], NOISE.loc["train", "max"]
+    return (
+        "(undone vs fixed median) "
+        + ", ".join(f"{change_label(r)} {step_vs(r)}" for _, r in FASTER_UNDONE.iterrows())
+        + f"; the {N_FIXED} fixed runs' own training steps: {lo:.1f}-{hi:.1f} ms"
+    )
 
 
 def change_label(r):
@@ -553,71 +640,87 @@ def fixes_answer():
     if not BAND_MEASURED:
         return (
             f"{NOT_MEASURED}: the noise band needs at least {MIN_FIXED_RUNS} runs of the fixed "
-            f"pipeline and these logs hold {N_FIXED}; no change is counted (each one's difference "
-            "is in the section)"
+            f"pipeline and these logs hold {N_FIXED}; no change is counted"
         )
-    n_six = sum(u[0] <= 6 for u in UNITS_OK)
     return (
-        f"{len(UNITS_OK)} (goal: at least {TARGET_FIXES}, #1 and #2 counted once): "
-        f"{', '.join(unit_label(u) for u in UNITS_OK) or 'none'}; {n_six} of them among "
-        "the assignment's six. Tried, not counted (within the band or slower with the change): "
-        + (", ".join(change_label(r) for _, r in TRIED.iterrows()) or "none")
-        + f". Band: the range of {N_FIXED} runs of the fixed pipeline; {UNDONE_RUNS}"
+        f"**{len(UNITS_OK)}** beyond noise: {', '.join(unit_label(u) for u in UNITS_OK) or 'none'}; "
+        f"faster when undone {undone_faster_text()}"
     )
+
+
+def change_answer(n):
+    # One inefficiency's row: where it sits as given, the fix, and its verdict with numbers.
+    v = verdicts(n)
+    if not len(v):
+        got = f"{NOT_MEASURED} (no run undoes it)"
+    else:
+        got = "; ".join(
+            (f"{short(r['run (change undone)'])}: " if len(v) > 1 else "")
+            + (
+                f"wait {r['undone']:.0f} s -> {r['fixed']:.1f} s"
+                if r["metric"].startswith("training wait")
+                else f"{step_vs(r)} undone vs fixed"
+            )
+            + (", faster undone" if r["undone - fixed"] < 0 else "")
+            + f", {r['verdict'].removesuffix(' (tried)')}"
+            for _, r in v.iterrows()
+        )
+    return f"{WHERE[n][1]}; fix: {CHANGES[n][2]}. {got}"
 
 
 answers = [
     Answer("Forward: embedding, attention (self-attention, feed-forward)",
-           f"GPU kernels per iteration{MOD_BATCH}, fixed model: patch embedding {kern(pf, 'patch embedding')}, "
-           f"self-attention {kern(pf, 'attention (self-attention part)')}, feed-forward {kern(pf, 'feed-forward')} "
-           f"of a {kern(pf, 'whole ViT')} forward (as given: {kern(pa, 'whole ViT')})",
-           "Forward pass per part"),
+           f"fixed model, {PROF_GPU}{MOD_BATCH}, GPU kernels per iteration: patch embedding "
+           f"{kern(pf, 'patch embedding')}, self-attention {kern(pf, 'attention (self-attention part)')}, "
+           f"feed-forward {kern(pf, 'feed-forward')} of a {kern(pf, 'whole ViT')} forward "
+           f"(as-given model: {kern(pa, 'whole ViT')})", "Forward pass per part"),
     Answer("Forward: nn.Softmax, nn.GELU",
-           f"Softmax {kern(pa, 'Softmax')} (as-given model; the fixed one computes it inside "
-           f"scaled_dot_product_attention), GELU {kern(pf, 'GELU')} (fixed) per iteration",
+           f"Softmax {kern(pa, 'Softmax')} (as-given model; the fixed one fuses it into "
+           f"scaled_dot_product_attention), GELU {kern(pf, 'GELU')} per iteration",
            "Forward pass per part"),
     Answer("Backward vs forward",
            f"{measured(mid['backward ms'] if mid is not None else np.nan, '.2f', ' ms')} vs "
-           f"{measured(mid['forward ms'] if mid is not None else np.nan, '.2f', ' ms')} of GPU kernels in one "
-           f"iteration: {measured(ratio, '.2f', 'x')} (about 2x from the FLOPs)",
-           "Trace: one training iteration"),
+           f"{measured(mid['forward ms'] if mid is not None else np.nan, '.2f', ' ms')} of kernels in one "
+           f"iteration: **{measured(ratio, '.2f', 'x')}**; the GEMMs' FLOPs give 2x, the backward of "
+           + ", ".join(f"{OP_NAMES[f]} {tb / tf:.1f}x" for f, _, tf, tb in BWD_PAIRS[:2])
+           + " its forward", "Trace: one training iteration"),
     Answer("Several training iterations",
-           (f"one iteration ({mid.name}, the middle of {len(IT)} recorded): "
-            f"{mid_at('iteration ms (host)'):.0f} ms on the host, GPU busy {mid_at('GPU busy ms'):.1f} ms "
-            f"({measured(mid_at('GPU busy ms', 'to_device'), '.1f', ' ms')} of it launched in `to_device`: "
-            f"the copy, normalisation and BatchedAugMix); data wait {measured(wait_share * 100, '.1f', '%')} "
-            "of the iteration") if mid is not None else NOT_MEASURED,
-           "Trace: one training iteration"),
-    *[Answer(f"Inefficiency {S[n]}", f"{CHANGES[n][1]} -> {CHANGES[n][2]}; {bought(n)}",
+           (f"{len(IT)} iterations recorded, each {IT['iteration ms (host)'].min():.0f}-"
+            f"{IT['iteration ms (host)'].max():.0f} ms on the host, GPU busy {IT['GPU busy ms'].min():.1f}-"
+            f"{IT['GPU busy ms'].max():.1f} ms of it; in {mid.name}, {mid_at('GPU busy ms', 'to_device'):.1f} ms "
+            f"of that is `to_device` (copy + BatchedAugMix), data wait {wait_share:.1%}")
+           if mid is not None else NOT_MEASURED, "Trace: one training iteration"),
+    *[Answer(f"Inefficiency {n}: {CHANGES[n][0]}", change_answer(n),
              "Each change against the run-to-run noise") for n in range(1, 7)],
-    Answer("Inefficiencies found and fixed (faster beyond noise)", fixes_answer(),
+    Answer("Inefficiencies fixed, faster beyond noise", fixes_answer(),
            "Each change against the run-to-run noise"),
     Answer("Overall speed-up (train + validation epoch)",
-           f"{measured(speedup, '.1f', 'x')} images/s, {FIXED_WHAT} vs as given; validation accuracy "
-           f"{acc(fixed)} vs {acc(given)}", "Before and after"),
+           f"**{measured(speedup, '.1f', 'x')}** images/s, {FIXED_WHAT} vs as given, {PIPE_GPU}; "
+           f"validation accuracy {acc(fixed)} vs {acc(given)}", "Before and after"),
 ]  # fmt: skip
 
-# Hosts in the logs that the report does not use (named in one line under the commands).
-OTHER_HOSTS = sorted(
-    {
-        *(main_all["host"] if main_all is not None else []),
-        *(prof_all["host"] if prof_all is not None else []),
-    }
-    - {PIPE_HOST, PROF_HOST, LAYER_HOST}
-)
-# The hosts the report reads, for the line under the commands: one, or one per kind of log.
-USED_HOSTS = {
-    "pipeline runs": PIPE_HOST, "pipelines' profiles": PROF_HOST,
-    "per-layer comparison and overhead": LAYER_HOST,
-}  # fmt: skip
-if not any(USED_HOSTS.values()):
-    HOSTS_LINE = f"host: {NOT_MEASURED} (no ViT logs)"
-elif len(set(USED_HOSTS.values()) - {None}) == 1 and not OTHER_HOSTS:
-    HOSTS_LINE = f"every run on {next(h for h in USED_HOSTS.values() if h)}"
-else:
-    HOSTS_LINE = "; ".join(f"{k}: {h or NOT_MEASURED}" for k, h in USED_HOSTS.items()) + (
-        f"\nother hosts in these logs (not used): {', '.join(OTHER_HOSTS)}" if OTHER_HOSTS else ""
-    )
+
+def provenance_table():
+    """One row per log and trace the report reads: git commit, GPU model, GPU tags, runs."""
+    frames = [f for f in (runs, prof, load(REPLICATE_LOG)) if f is not None]
+    logs = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    rows = []
+    for src, f in logs.groupby("source", sort=False):
+        run_ids = f["env.run_id"] if "env.run_id" in f else f["config.run_id"]
+        rows.append({
+            "log": pathlib.Path(src).name,
+            "git sha": ", ".join(sorted({str(x)[:7] for x in f["env.git_sha"].dropna()})),
+            "GPU": ", ".join(sorted({gpu_name(h) for h in f["host"]})),
+            "GPU tag": ", ".join(sorted({str(x) for x in f["env.gpu_id"].dropna()})) or "-",
+            "runs": run_ids.nunique(),
+        })  # fmt: skip
+    if TRACE is not None:  # the trace is written by the fixed pipeline's profile run
+        f = of_kind("range")
+        rows.append({
+            "log": f"traces/{TRACE[0].name}", "git sha": str(f["env.git_sha"].iloc[0])[:7],
+            "GPU": PROF_GPU, "GPU tag": str(f["env.gpu_id"].iloc[0]), "runs": 1,
+        })  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 # Appendix: the headline speed-up (images/s over the epoch, the median of the fixed pipeline's
@@ -754,3 +857,10 @@ def replicate_comparison():
 
 
 REPLICATE_TABLE, REPLICATE_LINES = replicate_comparison()
+PROVENANCE = provenance_table()
+# GPU tags of one 4-GPU H200 host, whose runs went four at a time, one process per GPU, each pinned
+# to 16 of the host's 64 cores (env.cpu_count reads 64).
+H200_HOST_TAGS = {"0bd5e7f1", "dc51dc67", "a24f1084", "24c7bc89"}
+SHARED_HOST = sorted(
+    H200_HOST_TAGS & {t for tags in PROVENANCE.get("GPU tag", []) for t in tags.split(", ")}
+)
