@@ -4,7 +4,8 @@ Builds what the report's sections read: the pipeline loss curves and their gaps 
 single-process references, the activations in flight, the ``--long`` memory runs, the bubble
 runs with their stage times, our step time against torch.distributed.pipelining, the
 tensor-parallel curves, step times and the DTensor comparison; every target's verdict run by run
-(``box``) and the rows of the answers table (``answers``). Also the gap-plot helper the curve
+(``box``), the rows of the answers table (``answers``) and the provenance of every log
+(``provenance``, ``SHARED_HOSTS_NOTE``). Also the gap-plot helper the curve
 sections share. It displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
 """
 
@@ -48,16 +49,16 @@ def gpu_count(file: str) -> int | None:
 
 
 def host(r: dict) -> str:
-    """Where a run was made, from its record: the cores under gloo; under NCCL the GPUs and, for
-    a pipeline, how its stages sit on them (rank r on GPU r % count). Both with the host's
-    GPU tag where the log has one: it tells hosts of one GPU kind apart."""
+    """Where a run was made, from its record: under gloo the cores the run could use (a run pinned
+    to a block of a larger host records the block's size, ``cores_available``); under NCCL the
+    GPUs and, for a pipeline, how its stages sit on them (rank r on GPU r % count). The GPU tags
+    that tell hosts apart are in the provenance appendix, not in these labels."""
     c, env = r["config"], r["env"]
-    tag = f" [{env['gpu_id']}]" if env.get("gpu_id") else ""
     if c.get("backend", "gloo") != "nccl":
-        return f"{env['cpu_count']}-core CPU{tag} (gloo)"
+        return f"{c.get('cores_available') or env['cpu_count']}-core CPU (gloo)"
     gpus = gpu_count(r["file"])
     name = env["gpu"].removeprefix("NVIDIA ")
-    where = f"{gpus}x {name}{tag}" if gpus else f"{name}{tag}"
+    where = f"{gpus}x {name}" if gpus else name
     if "stages" not in c:
         return f"{where} (NCCL)"
     if gpus and c["stages"] > gpus:
@@ -92,20 +93,53 @@ DATA = next(
     (r["config"]["data"] for r in pipe_curves + tp_curves if "data" in r["config"]), "no data"
 )
 
-logs = pd.DataFrame(
-    [
-        {
-            "log": r["file"],
-            "host": host(r),
-            "GPU": r["env"]["gpu"] or "-",
-            "gpu_id": r["env"]["gpu_id"] or "-",
-            "cpu_count": r["env"]["cpu_count"],
-            "torch": r["env"]["torch"],
-            "git_sha": r["env"]["git_sha"][:12],
-            "time": r["env"]["time"],
-        }
-        for r in records("*.jsonl")
-    ]
+# GPU tags of one 4-GPU H200 host whose runs went four at a time, one process per GPU, each pinned
+# to 16 of the host's 64 cores (env.cpu_count reads 64); and of a second such host.
+SHARED_HOSTS = (
+    {"0bd5e7f1", "dc51dc67", "a24f1084", "24c7bc89"},
+    {"fc56db01", "d09b150d", "c8a2426a"},
+)
+
+
+def by_file(rs: list[dict]) -> dict[str, list[dict]]:
+    """The records grouped by the log they were read from."""
+    files: dict[str, list[dict]] = defaultdict(list)
+    for r in rs:
+        files[r["file"]].append(r)
+    return files
+
+
+def provenance_table() -> pd.DataFrame:
+    """One row per committed log: its git sha, GPU, GPU tag (env.gpu_id), where it ran (the
+    report's host label) and its number of runs (distinct env.run_id)."""
+    rows = []
+    for file, rs in by_file(records("*.jsonl")).items():
+        envs = [r["env"] for r in rs]
+        rows.append({
+            "log": file,
+            "git sha": ", ".join(sorted({e["git_sha"][:7] for e in envs})),
+            "GPU": ", ".join(sorted({e["gpu"] or "none (CPU run)" for e in envs})),
+            "GPU tag": ", ".join(sorted({e.get("gpu_id") or "-" for e in envs})),
+            "ran on": "; ".join(dict.fromkeys(host(r) for r in rs)),
+            "runs": len({e.get("run_id") for e in envs}),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+provenance = provenance_table()
+shared_tags = sorted(
+    tag
+    for tags in provenance.get("GPU tag", [])
+    for tag in tags.split(", ")
+    if any(tag in hosts for hosts in SHARED_HOSTS)
+)
+SHARED_HOSTS_NOTE = (
+    f"GPU tags {', '.join(sorted(SHARED_HOSTS[0]))} are GPUs of one 4-GPU H200 host, and "
+    f"{', '.join(sorted(SHARED_HOSTS[1]))} of a second one; there the runs went four at a time, "
+    "one process per GPU, each pinned to 16 of the host's 64 cores (env.cpu_count reads 64). "
+    f"This report's logs from those hosts: GPU tag {', '.join(shared_tags)}."
+    if shared_tags
+    else ""
 )
 LOSS_LABEL = "training loss (cross-entropy, nats)"
 GAP_LABEL = "|loss gap| (nats)"

@@ -9,10 +9,7 @@ grid of five shapes at checkpoint levels 0 and 1 (``seed``, ``seed_pairs``, ``se
 GEMM-count and small-configuration probes, and the rows of the answers table (``answers``). It displays nothing: the notebook runs it with ``%run -i`` and
 shows the tables.
 
-A replicate log (``*_replicate*``, e.g. ``benchmark_replicate.jsonl``: the benchmark's command
-for a few configurations of the main grid, run on a second host) is never read with the main
-logs: only the appendix reads it, setting its headline ratios against the main log's
-(``replicate_head``, ``replicate_table``, ``replicate_notes``).
+For the last appendix, ``provenance``: one row per log with its commit, GPU, GPU tag and runs.
 """
 
 import importlib.util
@@ -22,15 +19,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from loaders.replicates import (  # reports/loaders/ (cwd: reports/)
-    is_replicate,
-    log_records,
-    provenance,
-)
+from loaders.replicates import log_records  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer
 from effdl.notebooks import REPORTS
-from effdl.results import ResultsFormatError, device_name, results_dir
+from effdl.results import device_name, results_dir
 from effdl.tables import measured
 
 
@@ -47,16 +40,11 @@ benchmark = load_script(REPORTS.parent / "swiglu_checkpoint" / "benchmark.py")
 CPU = torch.device("cpu")  # the correctness check and the GEMM count run here
 
 SWIGLU = results_dir("results") / "swiglu"
-# A replicate log reruns the benchmark's command for some configurations on another host (same
-# record format). It is read only by the appendix, never with the main logs: the main grid, the
-# answers and the targets cannot see it.
-REPLICATE_LOG = "benchmark_replicate.jsonl"
 
 
-def load_logs(replicate=False):
-    """Every record of the logs under results/swiglu/ (plain or .gz): of the main logs, or with
-    ``replicate``, of the replicate logs only. None if there are no records."""
-    rows = log_records(SWIGLU, ("**/*.jsonl", "**/*.jsonl.gz"), replicate)
+def load_logs():
+    """Every record of the logs under results/swiglu/ (plain or .gz); None if there are none."""
+    rows = log_records(SWIGLU, ("**/*.jsonl", "**/*.jsonl.gz"))
     if not rows:
         return None
     frame = pd.DataFrame(rows)
@@ -132,16 +120,14 @@ m["order"] = m["variant"].map(VARIANTS.index)
 m = m.sort_values(["config.dtype", "residual", "gemm_unit", "order"], kind="stable")
 
 # GEMMs per layer and training step: counted on the CPU by the benchmark's own function when the
-# notebook runs; the log's own count (its field, or its FLOPs over one GEMM) is what its derived
-# fields used.
+# notebook runs; the log's own count (gemms_per_layer) is what its derived fields used.
 COUNTED = {
     (v, res): benchmark.counted_gemms(v, torch.float64, CPU, res)
     for v in VARIANTS
     for res in (True, False)
 }
 m["gemms_counted"] = [COUNTED[v, res] for v, res in zip(m["variant"], m["residual"], strict=True)]
-logged = m.get("metrics.gemms_per_layer", pd.Series(np.nan, index=m.index))
-m["gemms"] = logged.fillna(m["metrics.gemm_flops"] / m["gemm_unit"]).round(6)
+m["gemms"] = m["metrics.gemms_per_layer"]
 for ours, col in [
     ("tflops", "metrics.tflops_executed"),
     ("of_ceiling", "metrics.frac_ceiling"),
@@ -332,9 +318,8 @@ def span(s, fmt="{:.2f}"):
 
 
 PROVENANCE = (
-    f"Журналы бенчмарка: {MACHINE}, коммит {COMMIT}, torch {newest['env.torch']}; "
-    f"{m.groupby(KEY).ngroups} сочетаний (dtype, конфигурация, стек) из "
-    f"{runs['env.time'].nunique()} прогон(ов). {STACK_NOTE}"
+    f"Бенчмарк: {MACHINE}, {m.groupby(KEY).ngroups} сочетаний (dtype, конфигурация, стек) из "
+    f"{runs['env.time'].nunique()} прогон(ов); журналы, коммит и теги GPU — в приложении. {STACK_NOTE}"
 )
 
 
@@ -424,248 +409,23 @@ answers = [
 ]
 
 
-# Appendix: the replicate log (benchmark_replicate.jsonl, written on a second host by the
-# benchmark's command for two configurations of the grid) against the main log. The headline
-# ratios are those of the main table: each memory-optimized variant's median step time and peak
-# memory over the reference's, within one run. A ratio is compared only where both logs measured
-# the same thing: the same dtype, shape, stack (config.residual), TF32 setting and variant.
-HEADLINE = ["checkpoint", "level0", "level1", "level2"]  # each against the reference
-RATIO_OF = {"время": "metrics.step_s_median", "память": "metrics.peak_gib"}
-MATCH = ["config.dtype", "config", "residual", "tf32"]
-REPLICATE_SHAPES = SEED_GRID[3:]  # the two configurations the replicate's command measures
-REPLICATE_RESIDUAL = False  # its --no-residual
-REPLICATE_COMMAND = (
-    "python3 swiglu_checkpoint/benchmark.py --device cuda --dtypes fp32 --no-residual --configs "
-    + " ".join(",".join(map(str, s)) for s in REPLICATE_SHAPES)
-    + " --variants "
-    + " ".join(VARIANTS)
-)
-MEMORY_TOLERANCE = 0.01  # peak memory is set by the allocator: its ratios should agree closely
-
-
-def match_fields(frame):
-    """``frame`` with the TF32 setting as a bool (``tf32``) and the host tag (``host``, None
-    where the log has no env.gpu_id)."""
-    f = frame.copy()
-    f["tf32"] = f["config.tf32"].fillna(False).astype(bool) if "config.tf32" in f else False
-    ids = f["env.gpu_id"] if "env.gpu_id" in f else pd.Series(None, index=f.index, dtype=object)
-    f["host"] = [None if pd.isna(v) else str(v) for v in ids]
-    return f
-
-
-def headline_ratios(frame):
-    """One row per (dtype, configuration, stack, tf32, variant, quantity): the variant's median
-    step time or peak memory over the reference's of the same run, with that run's host."""
-    out = []
-    for quantity, col in RATIO_OF.items():
-        p = frame.pivot_table(index=MATCH, columns="variant", values=col, sort=False)
-        if "reference" not in p:
-            continue
-        for v in HEADLINE:
-            if v in p:
-                part = (p[v] / p["reference"]).rename("ratio").reset_index()
-                part["variant"], part["quantity"] = v, quantity
-                out.append(part)
-    ratios = (
-        pd.concat(out, ignore_index=True).dropna(subset=["ratio"])
-        if out
-        else pd.DataFrame(columns=[*MATCH, "ratio", "variant", "quantity"])
-    )
-    hosts = frame[frame["variant"] == "reference"].groupby(MATCH)["host"].first()
-    ratios["host"] = [hosts.get(tuple(k)) for k in ratios[MATCH].itertuples(index=False)]
-    return ratios
-
-
-def side_text(frame):
-    """GPU, host (env.gpu_id) and commit (7 characters) of a log's records."""
-    where = provenance(frame)
-    host = ", ".join(where["host id"]) or "не записан (в журнале нет поля env.gpu_id)"
-    return f"{', '.join(where['GPU'])}, хост {host}, коммит {', '.join(where['git sha']) or NOT_MEASURED}"
-
-
-def key_text(key):
-    dtype, config, residual, tf32 = key
-    return f"{dtype} {config}, стек {stack_name(residual)}" + (", TF32" if tf32 else "")
-
-
-def replicate_comparison(rep_raw):
-    """(head, table, notes) of the appendix for the replicate's records ``rep_raw``."""
-    rep = match_fields(variant_records(rep_raw))
-    ref = match_fields(m)
-    sources = ", ".join(sorted({s.removesuffix(".gz") for s in rep["source"]}))
-    if rep.empty:
-        return f"В журнале повтора ({sources}) нет записей вариантов с временем шага.", None, ""
-    same_shape = ref.merge(rep[["config.dtype", "config"]].drop_duplicates())
-    head = (
-        f"Основной журнал ({', '.join(sorted({s.removesuffix('.gz') for s in runs['source']}))}): "
-        f"{side_text(same_shape if len(same_shape) else ref)}.\n"
-        f"Повтор ({sources}): {side_text(rep)}."
-    )
-    notes = []
-    rep_keys = list(dict.fromkeys(rep[MATCH].itertuples(index=False, name=None)))
-    ref_keys = set(ref[MATCH].itertuples(index=False, name=None))
-    for key in rep_keys:
-        if key in ref_keys:
-            continue
-        here = ref[(ref["config.dtype"] == key[0]) & (ref["config"] == key[1])]
-        measured_as = sorted({key_text(k) for k in here[MATCH].itertuples(index=False, name=None)})
-        notes.append(
-            f"Не сравнивается {key_text(key)}: в основном журнале "
-            + (
-                f"эта форма измерена только как {'; '.join(measured_as)}."
-                if measured_as
-                else "этой формы в этом dtype нет."
-            )
+def provenance_table():
+    """One row per log under results/swiglu/: its commit, GPU, GPU tag (env.gpu_id) and number
+    of runs (distinct env.run_id)."""
+    rows = []
+    for source, f in raw.groupby("source", sort=True):
+        rows.append(
+            {
+                "журнал": source,
+                "коммит": ", ".join(sorted({str(v)[:7] for v in f["env.git_sha"].dropna()})),
+                "GPU": ", ".join(sorted({device_name(rec) for _, rec in f.iterrows()})),
+                "тег GPU": ", ".join(sorted(set(f.get("env.gpu_id", pd.Series()).dropna()))) or "-",
+                "прогонов": f["env.run_id"].nunique()
+                if "env.run_id" in f
+                else f["env.time"].nunique(),
+            }
         )
-    a, b = headline_ratios(ref), headline_ratios(rep)
-    both = a.merge(b, on=[*MATCH, "variant", "quantity"], suffixes=(" main", " rep"))
-    only_rep = b.merge(a[[*MATCH, "variant", "quantity"]], how="left", indicator=True)
-    only_rep = only_rep[only_rep["_merge"] == "left_only"]
-    only_rep = only_rep[[tuple(k) in ref_keys for k in only_rep[MATCH].itertuples(index=False)]]
-    for _, row in only_rep.iterrows():
-        notes.append(
-            f"Не сравнивается {key_text(tuple(row[MATCH]))}, {NAMES[row['variant']]}/эталон, "
-            f"{row['quantity']}: в основном журнале этого отношения нет."
-        )
-    if both.empty:
-        notes.append(
-            "Ни одно отношение не сравнивается: записей с тем же dtype, формой, стеком, TF32 и "
-            "вариантом в основном журнале нет."
-        )
-        return head, None, "\n".join(notes)
-    order = {key: k for k, key in enumerate(rep_keys)}  # the replicate's order of configurations
-    both = both.assign(
-        _k=[order[k] for k in both[MATCH].itertuples(index=False, name=None)],
-        _v=both["variant"].map(HEADLINE.index),
-        _q=both["quantity"].map(list(RATIO_OF).index),
-    ).sort_values(["_k", "_v", "_q"], kind="stable")
-    both["diff"] = both["ratio rep"] / both["ratio main"] - 1
-    both["same_host"] = [
-        bool(x) and x == y for x, y in zip(both["host main"], both["host rep"], strict=True)
-    ]
-    holds = np.sign(both["ratio main"] - 1) == np.sign(both["ratio rep"] - 1)
-    both["verdict"] = np.where(
-        both["same_host"], "тот же хост", np.where(holds, "держится", "не держится")
-    )
-    table = pd.DataFrame(
-        {
-            "конфигурация": [key_text(k) for k in both[MATCH].itertuples(index=False, name=None)],
-            "отношение": [f"{NAMES[v]}/эталон" for v in both["variant"]],
-            "величина": both["quantity"],
-            "основной журнал": both["ratio main"],
-            "повтор": both["ratio rep"],
-            "повтор/основной − 1": [f"{d:+.2%}" for d in both["diff"]],
-            "на втором хосте": both["verdict"],
-        }
-    ).set_index(["конфигурация", "отношение", "величина"])
-    if both["same_host"].any():
-        ids = ", ".join(sorted(set(both.loc[both["same_host"], "host rep"])))
-        notes.append(
-            f"Повтор снят на том же хосте (env.gpu_id {ids}), что и основной журнал: "
-            f"{int(both['same_host'].sum())} из {len(both)} отношений — повтор на одном хосте, "
-            "вывод о втором хосте для них не делается."
-        )
-    judged = both[~both["same_host"]]
-    if len(judged):
-        if judged["host main"].isna().any():
-            notes.append(
-                "Хост основного журнала не записан (в нём нет поля env.gpu_id): что повтор снят "
-                "на другом хосте, журналы подтвердить не могут; вывод ниже исходит из того, что "
-                "он снят на втором хосте, как предусматривает его команда."
-            )
-        failed = judged[judged["verdict"] == "не держится"]
-        notes.append(
-            f"Держится на втором хосте (отношение по ту же сторону от 1.0, что в основном журнале): "
-            f"{len(judged) - len(failed)} из {len(judged)} отношений"
-            + (
-                "; не держится: "
-                + "; ".join(
-                    f"{key_text(tuple(r[MATCH]))}, {NAMES[r['variant']]}/эталон, {r['quantity']} "
-                    f"({r['ratio main']:.3f} → {r['ratio rep']:.3f})"
-                    for _, r in failed.iterrows()
-                )
-                if len(failed)
-                else ""
-            )
-            + "."
-        )
-    t_diff = both.loc[both["quantity"] == "время", "diff"]
-    if len(t_diff):
-        lo, hi = f"{t_diff.min():+.2%}", f"{t_diff.max():+.2%}"
-        notes.append(
-            f"Отношения времени: повтор/основной − 1 = {lo}."
-            if lo == hi
-            else f"Отношения времени: повтор/основной − 1 от {lo} до {hi}."
-        )
-    mem_diff = both[both["quantity"] == "память"]
-    off = mem_diff[mem_diff["diff"].abs() > MEMORY_TOLERANCE]
-    if len(off):
-        notes.append(
-            f"Отношения памяти расходятся больше чем на {MEMORY_TOLERANCE:.0%}, хотя пик задаёт "
-            "распределитель памяти: "
-            + "; ".join(
-                f"{key_text(tuple(r[MATCH]))}, {NAMES[r['variant']]}/эталон ({r['diff']:+.2%})"
-                for _, r in off.iterrows()
-            )
-            + "."
-        )
-    elif len(mem_diff):
-        notes.append(
-            f"Отношения памяти совпадают в пределах {MEMORY_TOLERANCE:.0%}, как и должны (пик задаёт "
-            f"распределитель памяти): наибольшее расхождение {mem_diff['diff'].abs().max():.2%}."
-        )
-    return head, table, "\n".join(notes)
+    return pd.DataFrame(rows)
 
 
-def replicate_absent():
-    """(head, None, notes) where there is no replicate log."""
-    notes = [f"Его команда (журнал сохраняется как swiglu/{REPLICATE_LOG}):\n  {REPLICATE_COMMAND}"]
-    fp32_main = m[m["config.dtype"] == "fp32"]
-    for shape in REPLICATE_SHAPES:
-        stacks = set(fp32_main.loc[(fp32_main[SHAPE].to_numpy() == shape).all(axis=1), "residual"])
-        if REPLICATE_RESIDUAL not in stacks:
-            where = (
-                f"измерена только со стеком {', '.join(stack_name(s) for s in sorted(stacks))}"
-                if stacks
-                else "не измерена"
-            )
-            notes.append(
-                f"В основном журнале форма {shape_label(shape)} в fp32 {where}, а команда повтора "
-                f"измеряет стек {stack_name(REPLICATE_RESIDUAL)}: с основным журналом такие записи по стеку не совпадут."
-            )
-    empty = sorted(
-        f.relative_to(SWIGLU.parent).as_posix()
-        for f in (SWIGLU.glob("**/*.jsonl*") if SWIGLU.is_dir() else [])
-        if is_replicate(f.name)
-    )
-    head = f"Повтор на втором хосте: {NOT_MEASURED} " + (
-        f"(в журнале {', '.join(empty)} нет записей)."
-        if empty
-        else f"(журнала swiglu/{REPLICATE_LOG} нет)."
-    )
-    return head, None, "\n".join(notes)
-
-
-try:
-    rep_raw = load_logs(replicate=True)
-except (ResultsFormatError, OSError) as e:  # a damaged replicate log leaves the main report intact
-    rep_raw, rep_error = None, f"{type(e).__name__}: {e}"
-else:
-    rep_error = None
-if rep_error:
-    replicate_head, replicate_table, replicate_notes = (
-        f"Повтор на втором хосте: журнал не прочитан ({rep_error}).",
-        None,
-        "",
-    )
-elif rep_raw is None:
-    replicate_head, replicate_table, replicate_notes = replicate_absent()
-else:
-    try:
-        replicate_head, replicate_table, replicate_notes = replicate_comparison(rep_raw)
-    except (KeyError, ValueError, TypeError) as e:  # a log of another format: said, not raised
-        replicate_head, replicate_table, replicate_notes = (
-            f"Повтор на втором хосте: журнал не разобран ({type(e).__name__}: {e}).",
-            None,
-            "",
-        )
+provenance = provenance_table()
