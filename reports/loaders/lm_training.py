@@ -13,6 +13,11 @@ import json
 import re
 
 import pandas as pd
+from loaders.replicates import (  # reports/loaders/ (cwd: reports/)
+    envs_by_log,
+    frame_envs,
+    log_provenance,
+)
 
 from effdl.answers import Answer, Target
 from effdl.models.llama import TransformerModelArgs, ffn_hidden_dim
@@ -541,25 +546,14 @@ targets.append(Target(
 def provenance():
     """One row per log (and per trace) the report reads: git commit, GPU model, GPU tags, runs."""
     frames = [f for f in (runs, multi) if f is not None]
-    logs = pd.concat(frames) if frames else pd.DataFrame()
-    rows = []
-    for src, f in logs.groupby("source"):
-        rows.append({
-            "log": src,
-            "git sha": ", ".join(sorted({str(x)[:7] for x in f["env.git_sha"].dropna()})),
-            "GPU": ", ".join(sorted({device_name(r) for _, r in f.drop_duplicates("env.run_id").iterrows()})),
-            "GPU tags (rank 0)": ", ".join(sorted({str(x) for x in f["env.gpu_id"].dropna()})) or "-",
-            "runs": f["env.run_id"].nunique(),
-        })  # fmt: skip
+    logs = envs_by_log(pd.concat(frames)) if frames else {}
     for path in traces + sorted(LM.glob("traces/kernels_*.json*")):
         run = path.name.split(".")[0].removeprefix("trace_").removeprefix("kernels_")
         rec = summ[summ["run"].isin([run, run + "_profile"])]
-        if len(rec):
-            r = rec.iloc[0]
-            rows.append({"log": f"traces/{path.name}", "git sha": str(r["env.git_sha"])[:7],
-                         "GPU": device_name(r), "GPU tags (rank 0)": str(r.get("env.gpu_id") or "-"),
-                         "runs": 1})  # fmt: skip
-    return pd.DataFrame(rows)
+        if len(rec):  # a trace: one run's, the one of its summary record
+            logs[f"traces/{path.name}"] = frame_envs(rec.iloc[:1])
+    # Several-GPU runs log rank 0's GPU tag only.
+    return log_provenance(logs).rename(columns={"GPU tag(s)": "GPU tags (rank 0)"})
 
 
 PROVENANCE = provenance()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from loaders.replicates import log_provenance  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
 from effdl.ops.layer_norm import TRITON_MIN_BYTES
@@ -515,20 +516,16 @@ def replicate_rows():
 
 def provenance():
     """One row per log the report reads: git sha, GPU model, GPU tag(s), runs (distinct run ids)."""
-    logs = [
+    paths = [
         LM / "speedup_stages.jsonl",
         REPLICATE_LOG,
         LN_LOG,
         find_log(LM / "layer_norm_benchmark_bf16_replicate.jsonl"),
     ]
-    logs += [find_log(LM / f"{ABLATION_PREFIX}{k}.jsonl") for k in ABLATION]  # fmt: skip
-    rows = []
-    for p in (p for p in logs if p.exists()):
-        envs = [r["env"] for r in read_records(p)]
-        rows.append({"log": p.name,
-                     "git sha": ", ".join(sorted({e.get("git_sha", "?")[:7] for e in envs})),
-                     "GPU": ", ".join(sorted({device_name(e) for e in envs})),
-                     "GPU tag(s)": ", ".join(sorted({e.get("gpu_id") or "CPU" for e in envs})),
-                     "CPU cores seen": ", ".join(sorted({str(e.get("cpu_count")) for e in envs})),
-                     "runs": len({e.get("run_id") for e in envs})})  # fmt: skip
-    return pd.DataFrame(rows).set_index("log")
+    paths += [find_log(LM / f"{ABLATION_PREFIX}{k}.jsonl") for k in ABLATION]  # fmt: skip
+    logs = {p.name: [r["env"] for r in read_records(p)] for p in paths if p.exists()}
+    cores = {
+        log: {"CPU cores seen": ", ".join(sorted({str(e.get("cpu_count")) for e in found}))}
+        for log, found in logs.items()
+    }
+    return log_provenance(logs, extra=cores).set_index("log")

@@ -12,6 +12,7 @@ import contextlib
 import math
 
 import pandas as pd
+from loaders.replicates import log_provenance  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
 from effdl.results import device_name, find_log, load_results, on_gpu, read_records, results_dir  # noqa: F401 (find_log: the notebook)
@@ -495,19 +496,12 @@ for _, row in (ft_runs.dropna(subset=CAP_FIELDS) if len(ft_runs) else ft_runs).i
 
 def provenance_table(folders):
     """One row per log the report reads: its commit, GPU model, GPU tags (env.gpu_id) and runs."""
-    rows = []
-    for folder in folders:
-        for path in sorted(folder.glob("*.jsonl*")):
-            envs = [r["env"] for r in read_records(path)]
-            tags = sorted({str(e.get("gpu_id")) for e in envs if e.get("gpu_id")})
-            rows.append({
-                "log": f"{folder.name}/{path.name}",
-                "git sha": ", ".join(sorted({str(e.get("git_sha"))[:7] for e in envs})),
-                "device": ", ".join(sorted({device_name(e) for e in envs})),
-                "GPU tag(s)": ", ".join(tags) or "-",
-                "runs": len({run_key({"env": e}) for e in envs}),
-            })  # fmt: skip
-    return pd.DataFrame(rows).set_index("log")
+    logs = {
+        f"{folder.name}/{path.name}": [r["env"] for r in read_records(path)]
+        for folder in folders
+        for path in sorted(folder.glob("*.jsonl*"))
+    }
+    return log_provenance(logs).set_index("log")
 
 
 provenance = provenance_table([d for d in (GPT2_DIR, pre_dir) if d.exists()])

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
+from loaders.replicates import log_provenance  # reports/loaders/ (cwd: reports/)
 from matplotlib.ticker import NullLocator
 
 from effdl.answers import Answer
@@ -112,24 +113,17 @@ def by_file(rs: list[dict]) -> dict[str, list[dict]]:
 def provenance_table() -> pd.DataFrame:
     """One row per committed log: its git sha, GPU, GPU tag (env.gpu_id), where it ran (the
     report's host label) and its number of runs (distinct env.run_id)."""
-    rows = []
-    for file, rs in by_file(records("*.jsonl")).items():
-        envs = [r["env"] for r in rs]
-        rows.append({
-            "log": file,
-            "git sha": ", ".join(sorted({e["git_sha"][:7] for e in envs})),
-            "GPU": ", ".join(sorted({e["gpu"] or "none (CPU run)" for e in envs})),
-            "GPU tag": ", ".join(sorted({e.get("gpu_id") or "-" for e in envs})),
-            "ran on": "; ".join(dict.fromkeys(host(r) for r in rs)),
-            "runs": len({e.get("run_id") for e in envs}),
-        })  # fmt: skip
-    return pd.DataFrame(rows)
+    files = by_file(records("*.jsonl"))
+    ran_on = {
+        f: {"ran on": "; ".join(dict.fromkeys(host(r) for r in rs))} for f, rs in files.items()
+    }
+    return log_provenance({f: [r["env"] for r in rs] for f, rs in files.items()}, extra=ran_on)
 
 
 provenance = provenance_table()
 shared_tags = sorted(
     tag
-    for tags in provenance.get("GPU tag", [])
+    for tags in provenance.get("GPU tag(s)", [])
     for tag in tags.split(", ")
     if any(tag in hosts for hosts in SHARED_HOSTS)
 )

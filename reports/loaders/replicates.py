@@ -8,9 +8,10 @@ answers and targets never see it, and a damaged replicate log cannot break them.
 from __future__ import annotations
 
 import glob
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
+from typing import Any
 
 import pandas as pd
 
@@ -46,17 +47,66 @@ def log_records(folder: Path, patterns: Iterable[str], replicate: bool = False) 
     return rows
 
 
-def provenance(frame: pd.DataFrame) -> dict[str, list[str]]:
-    """Where a log's records were made, for an appendix's caption: the GPU names, host ids
-    (``env.gpu_id``) and commits (``env.git_sha``, 7 characters), each value once and sorted; an
-    empty list where no record logs the field."""
+def frame_envs(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The ``env`` of each row of a :func:`load_results` frame, as the log wrote it: the ``env.*``
+    columns without their prefix, the missing values left out (a field the record has not)."""
+    columns = [c for c in frame.columns if c.startswith("env.")]
+    return [
+        {c.removeprefix("env."): v for c, v in zip(columns, row, strict=True) if not is_missing(v)}
+        for row in frame[columns].itertuples(index=False)
+    ]
 
-    def values(column: str, width: int | None = None) -> list[str]:
-        found = frame.get(column, [])
-        return sorted({str(v)[:width] for v in found if not is_missing(v)})
+
+def envs_by_log(frame: pd.DataFrame, sort: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """The :func:`frame_envs` of a :func:`load_results` frame, per log (its ``source``): the logs
+    sorted by name, or without ``sort`` in the frame's order."""
+    if "source" not in frame:
+        return {}
+    return {str(source): frame_envs(f) for source, f in frame.groupby("source", sort=sort)}
+
+
+def where_made(envs: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """The GPU names, host ids (``gpu_id``) and commits (``git_sha``, 7 characters) of records'
+    ``env``, each value once and sorted; an empty list where no record holds the field."""
+    envs = list(envs)
+
+    def values(key: str, width: int | None = None) -> list[str]:
+        return sorted({str(e[key])[:width] for e in envs if not is_missing(e.get(key))})
 
     return {
-        "GPU": sorted({device_name(row) for _, row in frame.iterrows()}),
-        "host id": values("env.gpu_id"),
-        "git sha": values("env.git_sha", 7),
+        "GPU": sorted({device_name(e) for e in envs}),
+        "host id": values("gpu_id"),
+        "git sha": values("git_sha", 7),
     }
+
+
+def provenance(frame: pd.DataFrame) -> dict[str, list[str]]:
+    """Where a log's records were made, for an appendix's caption: :func:`where_made` of the rows
+    of a :func:`load_results` frame."""
+    return where_made(frame_envs(frame))
+
+
+def log_provenance(
+    logs: Mapping[str, Sequence[Mapping[str, Any]]],
+    extra: Mapping[str, Mapping[str, Any]] | None = None,
+) -> pd.DataFrame:
+    """The provenance appendix every report ends with, one row per log in ``logs`` (its name ->
+    its records' ``env``): "log", "git sha" (7 characters), "GPU" (:func:`device_name`), "GPU
+    tag(s)" (``gpu_id``; "-" where no record has one, as in a CPU run) and "runs" (distinct
+    ``run_id``; a record without one counts by its start time and GPU tag), each list of values
+    sorted and comma-joined. ``extra`` holds a report's own columns per log, put before "runs".
+    One function, so that every report names and counts a log's origin the same way."""
+    rows = []
+    for log, found in logs.items():
+        made = where_made(found)
+        rows.append({
+            "log": log,
+            "git sha": ", ".join(made["git sha"]),
+            "GPU": ", ".join(made["GPU"]),
+            "GPU tag(s)": ", ".join(made["host id"]) or "-",
+            **(extra or {}).get(log, {}),
+            "runs": len({e.get("run_id") or (e.get("time"), e.get("gpu_id")) for e in found}),
+        })  # fmt: skip
+    if not rows:  # no log: the columns all the same, for the cells that index or pick them
+        return pd.DataFrame(columns=["log", "git sha", "GPU", "GPU tag(s)", "runs"])
+    return pd.DataFrame(rows)

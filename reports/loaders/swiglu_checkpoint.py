@@ -19,7 +19,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from loaders.replicates import log_records  # reports/loaders/ (cwd: reports/)
+from loaders.replicates import (  # reports/loaders/ (cwd: reports/)
+    envs_by_log,
+    log_provenance,
+    log_records,
+)
 
 from effdl.answers import Answer
 from effdl.notebooks import REPORTS
@@ -412,20 +416,10 @@ answers = [
 def provenance_table():
     """One row per log under results/swiglu/: its commit, GPU, GPU tag (env.gpu_id) and number
     of runs (distinct env.run_id)."""
-    rows = []
-    for source, f in raw.groupby("source", sort=True):
-        rows.append(
-            {
-                "журнал": source,
-                "коммит": ", ".join(sorted({str(v)[:7] for v in f["env.git_sha"].dropna()})),
-                "GPU": ", ".join(sorted({device_name(rec) for _, rec in f.iterrows()})),
-                "тег GPU": ", ".join(sorted(set(f.get("env.gpu_id", pd.Series()).dropna()))) or "-",
-                "прогонов": f["env.run_id"].nunique()
-                if "env.run_id" in f
-                else f["env.time"].nunique(),
-            }
-        )
-    return pd.DataFrame(rows)
+    table = log_provenance(envs_by_log(raw))
+    return table.rename(
+        columns={"log": "журнал", "git sha": "коммит", "GPU tag(s)": "тег GPU", "runs": "прогонов"}
+    )
 
 
 provenance = provenance_table()

@@ -11,6 +11,7 @@ displays nothing: the notebook runs it with ``%run -i`` and shows the tables.
 
 import numpy as np
 import pandas as pd
+from loaders.replicates import log_provenance  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
 from effdl.results import device_name, load_results, read_records, results_dir
@@ -371,12 +372,6 @@ targets = [
 def provenance():
     """One row per log the report reads (task1/, its probes, the GEMM reference rates): git sha, GPU model, GPU tag(s), runs
     (distinct run ids)."""
-    rows = []
-    for p in [*sorted(R.rglob("*.jsonl*")), *sorted((RESULTS / "ceilings").glob("*.jsonl*"))]:
-        envs = [r.get("env", {}) for r in read_records(p)]
-        rows.append({"log": str(p.relative_to(RESULTS)),
-                     "git sha": ", ".join(sorted({str(e.get("git_sha"))[:7] for e in envs})),
-                     "GPU": ", ".join(sorted({device_name(e) for e in envs})),
-                     "GPU tag(s)": ", ".join(sorted({e.get("gpu_id") or "CPU" for e in envs})),
-                     "runs": len({e.get("run_id") for e in envs})})  # fmt: skip
-    return pd.DataFrame(rows).set_index("log")
+    paths = [*sorted(R.rglob("*.jsonl*")), *sorted((RESULTS / "ceilings").glob("*.jsonl*"))]
+    logs = {str(p.relative_to(RESULTS)): [r.get("env", {}) for r in read_records(p)] for p in paths}
+    return log_provenance(logs).set_index("log")

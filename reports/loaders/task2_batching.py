@@ -9,7 +9,7 @@ tables; for the last appendix, where each log was made. It displays nothing: the
 
 import numpy as np
 import pandas as pd
-from loaders.replicates import log_records  # reports/loaders/ (cwd: reports/)
+from loaders.replicates import log_provenance, log_records  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
 from effdl.results import device_name, read_records, results_dir
@@ -452,12 +452,6 @@ TARGETS_SOURCE = f"epoch targets: the repeated epochs on {MAIN_GPU or NOT_MEASUR
 def provenance_table():
     """One row per log under task2/ (probes included): git sha, GPU model, GPU tag(s), runs
     (distinct run ids)."""
-    rows = []
-    for p in sorted(RESULTS.rglob("*.jsonl*")):
-        envs = [r.get("env", {}) for r in read_records(p)]
-        rows.append({"log": str(p.relative_to(RESULTS)),
-                     "git sha": ", ".join(sorted({str(e.get("git_sha"))[:7] for e in envs})),
-                     "GPU": ", ".join(sorted({device_name(e) for e in envs})),
-                     "GPU tag(s)": ", ".join(sorted({e.get("gpu_id") or "CPU" for e in envs})),
-                     "runs": len({e.get("run_id") for e in envs})})  # fmt: skip
-    return pd.DataFrame(rows).set_index("log")
+    paths = sorted(RESULTS.rglob("*.jsonl*"))
+    logs = {str(p.relative_to(RESULTS)): [r.get("env", {}) for r in read_records(p)] for p in paths}
+    return log_provenance(logs).set_index("log")

@@ -19,7 +19,12 @@ import re
 
 import numpy as np
 import pandas as pd
-from loaders.replicates import provenance  # reports/loaders/ (cwd: reports/)
+from loaders.replicates import (  # reports/loaders/ (cwd: reports/)
+    envs_by_log,
+    frame_envs,
+    log_provenance,
+    provenance,
+)
 
 import effdl
 from effdl.answers import Answer
@@ -703,24 +708,11 @@ answers = [
 def provenance_table():
     """One row per log and trace the report reads: git commit, GPU model, GPU tags, runs."""
     frames = [f for f in (runs, prof, load(REPLICATE_LOG)) if f is not None]
-    logs = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    rows = []
-    for src, f in logs.groupby("source", sort=False):
-        run_ids = f["env.run_id"] if "env.run_id" in f else f["config.run_id"]
-        rows.append({
-            "log": pathlib.Path(src).name,
-            "git sha": ", ".join(sorted({str(x)[:7] for x in f["env.git_sha"].dropna()})),
-            "GPU": ", ".join(sorted({gpu_name(h) for h in f["host"]})),
-            "GPU tag": ", ".join(sorted({str(x) for x in f["env.gpu_id"].dropna()})) or "-",
-            "runs": run_ids.nunique(),
-        })  # fmt: skip
+    logs = envs_by_log(pd.concat(frames, ignore_index=True), sort=False) if frames else {}
+    logs = {pathlib.Path(src).name: found for src, found in logs.items()}
     if TRACE is not None:  # the trace is written by the fixed pipeline's profile run
-        f = of_kind("range")
-        rows.append({
-            "log": f"traces/{TRACE[0].name}", "git sha": str(f["env.git_sha"].iloc[0])[:7],
-            "GPU": PROF_GPU, "GPU tag": str(f["env.gpu_id"].iloc[0]), "runs": 1,
-        })  # fmt: skip
-    return pd.DataFrame(rows)
+        logs[f"traces/{TRACE[0].name}"] = frame_envs(of_kind("range").iloc[:1])
+    return log_provenance(logs)
 
 
 # Appendix: the headline speed-up (images/s over the epoch, the median of the fixed pipeline's
@@ -862,5 +854,5 @@ PROVENANCE = provenance_table()
 # to 16 of the host's 64 cores (env.cpu_count reads 64).
 H200_HOST_TAGS = {"0bd5e7f1", "dc51dc67", "a24f1084", "24c7bc89"}
 SHARED_HOST = sorted(
-    H200_HOST_TAGS & {t for tags in PROVENANCE.get("GPU tag", []) for t in tags.split(", ")}
+    H200_HOST_TAGS & {t for tags in PROVENANCE.get("GPU tag(s)", []) for t in tags.split(", ")}
 )
