@@ -12,10 +12,10 @@ import contextlib
 import math
 
 import pandas as pd
-from loaders.replicates import log_provenance  # reports/loaders/ (cwd: reports/)
+from loaders.replicates import is_replicate, log_provenance  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
-from effdl.results import device_name, find_log, load_results, on_gpu, read_records, results_dir  # noqa: F401 (find_log: the notebook)
+from effdl.results import device_name, find_log, load_results, on_gpu, read_records, results_dir
 from effdl.tables import MISSING
 from effdl.tables import measured as value_or_missing
 
@@ -27,6 +27,9 @@ df = df[
     ~df["source"].str.startswith(
         ("optimizer_equivalence", "gpt2_finetune_code", "gpt2_xl_pretrain_docs")
     )
+    & ~df["source"].map(
+        is_replicate
+    )  # replicate logs: the appendix sets them beside their main log
 ]
 # run logs store non-finite floats as strings ("nan": e.g. GPU memory on a CPU run)
 for col in df.columns:
@@ -505,3 +508,47 @@ def provenance_table(folders):
 
 
 provenance = provenance_table([d for d in (GPT2_DIR, pre_dir) if d.exists()])
+
+
+def speed_ratios(records):
+    """A log's speed against the two forward+backward baselines of its own process: (Hugging
+    Face's, ours), each at its fastest micro-batch; the script's own ``speed_ratio`` record where
+    the log holds one (GPT-2-XL levels), else the offloaded run's median steady step (step 0 pays
+    warm-up) over the baselines."""
+    for r in records:
+        if r["variant"] == "speed_ratio":
+            return r["metrics"]["ratio_to_baseline"], r["metrics"]["ratio_to_baseline_own"]
+    best = {v: max((r["metrics"]["seq_per_s"] for r in records if r["variant"] == v), default=math.nan)
+            for v in ("baseline", "baseline_own")}  # fmt: skip
+    steady = [r["metrics"]["seq_per_s"] for r in records
+              if r["variant"] == "corpus" and r["metrics"]["step"] > 0]  # fmt: skip
+    speed = pd.Series(steady, dtype=float).median()
+    return speed / best["baseline"], speed / best["baseline_own"]
+
+
+# Headline speed ratios on a second GPU: each replicate log beside the main log it reruns.
+REPLICATED = {  # replicate log -> (what it measures, main log)
+    "gpt2_large_speed_baselines_and_offload_replicate.jsonl": (
+        "GPT-2-Large, offloaded Adam", "gpt2_large_speed_baselines_and_offload.jsonl"),
+    "gpt2_xl_level2_replicate.jsonl": ("GPT-2-XL, level 2", "gpt2_xl_levels_1_2_3_h200.jsonl.gz"),
+}  # fmt: skip
+replicate_rows = []
+for name, (what, main_name) in REPLICATED.items():
+    main_path, rep_path = find_log(GPT2_DIR / main_name), find_log(GPT2_DIR / name)
+    if not (main_path.exists() and rep_path.exists()):
+        continue
+    rep = read_records(rep_path)
+    main_recs = [r for r in read_records(main_path) if r["config"].get("level") in (None, 2)]
+    for label, recs in (("main", main_recs), ("replicate", rep)):
+        hf, own = speed_ratios(recs)
+        env = recs[-1]["env"]
+        step = pd.DataFrame([r["metrics"] for r in recs
+                             if r["variant"] == "corpus" and r["metrics"]["step"] > 0])  # fmt: skip
+        replicate_rows.append({"measures": what, "log": label, "GPU": device_name(env),
+                               "GPU tag": env.get("gpu_id"), "git sha": str(env["git_sha"])[:7],
+                               "CPU cores seen": env.get("cpu_count"),
+                               "step s": step["step_s"].median(),
+                               "GPU part s": step["gpu_compute_s"].median(),
+                               "CPU update s": step["cpu_update_s"].median(),
+                               "x HF fwd+bwd": hf, "x our fwd+bwd": own})  # fmt: skip
+speed_replicates = pd.DataFrame(replicate_rows)

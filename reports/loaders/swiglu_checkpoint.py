@@ -423,3 +423,33 @@ def provenance_table():
 
 
 provenance = provenance_table()
+
+
+# The replicate on another GPU (the fp32 configurations it reached): the benchmark's own per-config
+# ratios beside the main grid's, for the appendix.
+REPLICATE_COLS = {"metrics.l0/ref time": "ур.0/эталон, время", "metrics.l1/l0 time": "ур.1/ур.0, время",
+                  "metrics.l2/l0 time": "ур.2/ур.0, время", "metrics.l1/ckpt mem": "ур.1/checkpoint, память"}  # fmt: skip
+
+
+def replicate_table():
+    """Per (dtype, config) the replicate log holds: each ratio in the main grid and in the
+    replicate, with the replicate's GPU and tag; an empty frame where no replicate log exists."""
+    rep = pd.DataFrame(
+        log_records(SWIGLU, ("benchmark*.jsonl", "benchmark*.jsonl.gz"), replicate=True)
+    )
+    if rep.empty:
+        return rep, ""
+    rep = rep[rep["variant"] == "summary"].set_index(["config.dtype", "metrics.config"])
+    base = summary.set_index(["config.dtype", "metrics.config"]).reindex(rep.index)
+    cols = {}
+    for col, name in REPLICATE_COLS.items():
+        cols[(name, "основной")] = base[col]
+        cols[(name, "повтор")] = rep[col]
+    table = pd.DataFrame(cols)
+    table.index.names = ["dtype", "конфигурация"]
+    env = rep.iloc[0]
+    where = f"{device_name(env)}, тег {env['env.gpu_id']}, коммит {str(env['env.git_sha'])[:7]}"
+    return table, where
+
+
+replicate, REPLICATE_WHERE = replicate_table()
