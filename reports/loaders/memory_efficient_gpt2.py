@@ -551,4 +551,6 @@ for name, (what, main_name) in REPLICATED.items():
                                "GPU part s": step["gpu_compute_s"].median(),
                                "CPU update s": step["cpu_update_s"].median(),
                                "x HF fwd+bwd": hf, "x our fwd+bwd": own})  # fmt: skip
-speed_replicates = pd.DataFrame(replicate_rows)
+REPLICATE_COLUMNS = ["measures", "log", "GPU", "GPU tag", "git sha", "CPU cores seen", "step s",
+                     "GPU part s", "CPU update s", "x HF fwd+bwd", "x our fwd+bwd"]  # fmt: skip
+speed_replicates = pd.DataFrame(replicate_rows, columns=REPLICATE_COLUMNS)
