@@ -563,10 +563,11 @@ def second_gpu_runs():
     """The one-GPU runs on GPUs other than the study's (the one with most runs): micro-batches per
     step and the attention backend, each beside the study GPU's run of the same setting, if any."""
     gpu = summ["env.gpu_id"].fillna("CPU")
-    other = summ[(gpu != gpu.mode().iloc[0]) & ~flag(summ, "profile")]
+    study_gpu = gpu.mode().iloc[0]
+    other = summ[(gpu != study_gpu) & ~flag(summ, "profile")]
     key = ["config.sequence_length", "config.batch_size", "config.grad_accumulation",
            "config.precision", "config.fused_optimizer", "config.compile", "config.attention"]  # fmt: skip
-    study = summ[(gpu == gpu.mode().iloc[0]) & ~flag(summ, "profile")]
+    study = summ[(gpu == study_gpu) & ~flag(summ, "profile")]
     rows = []
     for _, r in other.iterrows():
         same = study[(study[key].astype(str) == r[key].astype(str)).all(axis=1)]

@@ -12,7 +12,11 @@ import contextlib
 import math
 
 import pandas as pd
-from loaders.replicates import is_replicate, log_provenance  # reports/loaders/ (cwd: reports/)
+from loaders.replicates import (
+    is_replicate,
+    log_provenance,
+    run_key,
+)  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
 from effdl.results import device_name, find_log, load_results, on_gpu, read_records, results_dir
@@ -27,10 +31,8 @@ df = df[
     ~df["source"].str.startswith(
         ("optimizer_equivalence", "gpt2_finetune_code", "gpt2_xl_pretrain_docs")
     )
-    & ~df["source"].map(
-        is_replicate
-    )  # replicate logs: the appendix sets them beside their main log
-]
+    & ~df["source"].map(is_replicate)
+]  # replicate logs: the appendix sets them beside their main log
 # run logs store non-finite floats as strings ("nan": e.g. GPU memory on a CPU run)
 for col in df.columns:
     if col.startswith(("metrics.", "config.")) and col != "metrics.timeline":
@@ -291,16 +293,11 @@ def pretraining_of(rec):
     return max(before, key=lambda p: p["env"]["time"]) if before else None
 
 
-def run_key(rec):
-    """A run's identity: its run id (runs started together on one host share a start time), with
-    the start time and GPU tag where the log has no run id."""
-    env = rec["env"]
-    return env.get("run_id") or (env["time"], env.get("gpu_id"))
-
-
 def records_of_run(rec, variant):
     """The records of `variant` written by the run that wrote `rec`."""
-    return [r for r in pre_recs if r["variant"] == variant and run_key(r) == run_key(rec)]
+    return [
+        r for r in pre_recs if r["variant"] == variant and run_key(r["env"]) == run_key(rec["env"])
+    ]
 
 
 pre_rows = []
@@ -520,10 +517,14 @@ def speed_ratios(records):
             return r["metrics"]["ratio_to_baseline"], r["metrics"]["ratio_to_baseline_own"]
     best = {v: max((r["metrics"]["seq_per_s"] for r in records if r["variant"] == v), default=math.nan)
             for v in ("baseline", "baseline_own")}  # fmt: skip
-    steady = [r["metrics"]["seq_per_s"] for r in records
-              if r["variant"] == "corpus" and r["metrics"]["step"] > 0]  # fmt: skip
-    speed = pd.Series(steady, dtype=float).median()
+    speed = steady_steps(records)["seq_per_s"].median()
     return speed / best["baseline"], speed / best["baseline_own"]
+
+
+def steady_steps(records):
+    """The metrics of a log's offloaded steps after the first (step 0 pays warm-up), one row each."""
+    return pd.DataFrame([r["metrics"] for r in records
+                         if r["variant"] == "corpus" and r["metrics"]["step"] > 0])  # fmt: skip
 
 
 # Headline speed ratios on a second GPU: each replicate log beside the main log it reruns.
@@ -542,8 +543,7 @@ for name, (what, main_name) in REPLICATED.items():
     for label, recs in (("main", main_recs), ("replicate", rep)):
         hf, own = speed_ratios(recs)
         env = recs[-1]["env"]
-        step = pd.DataFrame([r["metrics"] for r in recs
-                             if r["variant"] == "corpus" and r["metrics"]["step"] > 0])  # fmt: skip
+        step = steady_steps(recs)
         replicate_rows.append({"measures": what, "log": label, "GPU": device_name(env),
                                "GPU tag": env.get("gpu_id"), "git sha": str(env["git_sha"])[:7],
                                "CPU cores seen": env.get("cpu_count"),

@@ -86,6 +86,12 @@ def provenance(frame: pd.DataFrame) -> dict[str, list[str]]:
     return where_made(frame_envs(frame))
 
 
+def run_key(env: Mapping[str, Any]) -> Any:
+    """A run's identity from its record's ``env``: the run id, or where the log has none, the start
+    time with the GPU tag (runs started together on one host share a start time)."""
+    return env.get("run_id") or (env.get("time"), env.get("gpu_id"))
+
+
 def log_provenance(
     logs: Mapping[str, Sequence[Mapping[str, Any]]],
     extra: Mapping[str, Mapping[str, Any]] | None = None,
@@ -105,7 +111,7 @@ def log_provenance(
             "GPU": ", ".join(made["GPU"]),
             "GPU tag(s)": ", ".join(made["host id"]) or "-",
             **(extra or {}).get(log, {}),
-            "runs": len({e.get("run_id") or (e.get("time"), e.get("gpu_id")) for e in found}),
+            "runs": len({run_key(e) for e in found}),
         })  # fmt: skip
     if not rows:  # no log: the columns all the same, for the cells that index or pick them
         return pd.DataFrame(columns=["log", "git sha", "GPU", "GPU tag(s)", "runs"])
