@@ -7,6 +7,7 @@ import gzip
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from effdl.lm import stages as st
@@ -33,7 +34,7 @@ def test_each_stage_adds_one_fix_to_all_earlier_ones():
     assert [st.stage_name(i) for i in (0, 1, len(FLAGS))] == [
         "stage0_baseline",
         "stage1_amp",
-        "stage10_compile",
+        f"stage{len(FLAGS)}_compile",
     ]
 
 
@@ -91,3 +92,29 @@ def test_quick_run_writes_one_record_per_stage(tmp_path):
     # packing removes most of the padding the BRAIN stages train on
     pads = [r["metrics"]["padding_fraction"] for r in trained]
     assert max(pads[2:]) < min(pads[:2])
+
+
+@pytest.mark.gpu
+def test_only_the_stages_before_no_empty_cache_return_cached_blocks():
+    """The planted empty_cache: after a step of a stage without ``no_empty_cache`` the allocator
+    holds no free cached block (reserved == allocated); with it the freed blocks stay cached."""
+    device = torch.device("cuda")
+    max_length = 32
+    plan = st.plan_steps(random_docs(40, max_length), 2, 160, max_length, seed=0)
+    cfg = GPTLikeConfig(
+        vocab_size=97, d_model=64, n_heads=4, d_ff=128, dropout=0.0, max_length=max_length
+    )
+    index = FLAGS.index("no_empty_cache") + 1
+    cached = []
+    for stage in st.stages()[index - 1 : index + 1]:
+        model = st.build_model(cfg, stage, device, seed=0)
+        parts = st.StepParts(
+            model, st.build_optimizer(model, stage, 1e-3), st.stage_precision(stage, device, "bf16"),
+            stage, device, pad_id=0,
+        )  # fmt: skip
+        batches = iter(st.step_loader(plan, stage, 0, None, workers=1, device=device))
+        st.train_step(batches, parts)
+        torch.cuda.synchronize()
+        cached.append(torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+        del model, parts, batches
+    assert cached[0] == 0 < cached[1]

@@ -332,7 +332,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "python3 lm_training/speedup_stages.py --device cuda --steps 5 --warmup-steps 1 --profile-steps 1"
         f" --tokens-per-step 4096 {STDLIB} --out {{out}}",
         120,
-        Headline("stage10_*", "tokens_per_s", "tokens/s"),
+        Headline("stage*_compile", "tokens_per_s", "tokens/s"),
     ),
     GpuCommand(
         "gpt2-xl-baseline",

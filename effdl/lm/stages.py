@@ -37,17 +37,21 @@ from effdl.ops.layer_norm import (
 
 # (flag, what switching it on changes), in stage order: stage i has the first i flags on.
 STAGE_FLAGS: tuple[tuple[str, str], ...] = (
-    ("amp", "mixed precision: autocast (fp16 + DynamicGradScaler, or bf16)"),
+    ("amp", "mixed precision: autocast (bf16, or fp16 + DynamicGradScaler)"),
     ("packing", "documents packed into rows (best-fit decreasing) instead of padded to the max"),
-    ("loss_read_once", "losses stay on the device, read once at the end (no .item()/print)"),
-    ("grads_to_none", "zero_grad(set_to_none=True) instead of filling gradients with zeros"),
     ("loader_workers", "DataLoader with worker processes and pinned memory"),
+    ("no_empty_cache", "no torch.cuda.empty_cache() after every step (the allocator keeps blocks)"),
+    ("fused_adam", "Adam(fused=True) instead of a per-parameter loop (foreach=False)"),
     ("async_copy", "host-to-device copies with non_blocking=True (from pinned memory)"),
     ("masks_from_loader", "attention masks come with the batch, built in the loader workers"),
-    ("fused_adam", "Adam(fused=True) instead of a per-parameter loop (foreach=False)"),
+    ("loss_read_once", "losses stay on the device, read once at the end (no .item()/print)"),
+    ("grads_to_none", "zero_grad(set_to_none=True) instead of filling gradients with zeros"),
     ("fused_layer_norm", "the decoder's LayerNorms swapped for effdl's FusedLayerNorm"),
     ("compile", "torch.compile of the model"),
 )
+# The loop mistakes come in the order their fixes can show: the ones that cost host time per step
+# first, then the host syncs (a sync costs only once no other one is left in the step: the
+# blocking copy and the per-step loss read each drain the GPU's queue).
 
 
 @dataclass(frozen=True)
@@ -56,12 +60,13 @@ class Stage:
 
     amp: bool = False
     packing: bool = False
-    loss_read_once: bool = False
-    grads_to_none: bool = False
     loader_workers: bool = False
+    no_empty_cache: bool = False
+    fused_adam: bool = False
     async_copy: bool = False
     masks_from_loader: bool = False
-    fused_adam: bool = False
+    loss_read_once: bool = False
+    grads_to_none: bool = False
     fused_layer_norm: bool = False
     compile: bool = False
 
@@ -249,7 +254,8 @@ class StepParts:
 
 def train_step(batches: Any, parts: StepParts) -> tuple[torch.Tensor, int]:
     """One optimizer step on the next batch of the iterator ``batches``, each phase in a named
-    profiler range (:data:`RANGES`). Returns the loss (on the device) and the token slots of
+    profiler range (:data:`RANGES`); before ``no_empty_cache`` the optimizer range ends by
+    emptying the CUDA caching allocator. Returns the loss (on the device) and the token slots of
     the batch (real tokens plus padding)."""
     record = torch.profiler.record_function
     with record("data_wait"):
@@ -263,6 +269,8 @@ def train_step(batches: Any, parts: StepParts) -> tuple[torch.Tensor, int]:
     with record("optimizer"):
         parts.precision.step(parts.optimizer)
         parts.optimizer.zero_grad(set_to_none=parts.stage.grads_to_none)
+        if not parts.stage.no_empty_cache and parts.device.type == "cuda":
+            torch.cuda.empty_cache()  # "free memory": every block is cudaFree'd, then re-cudaMalloc'd
     return loss.detach(), inputs.n_slots
 
 
