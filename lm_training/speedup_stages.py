@@ -3,8 +3,10 @@
 Stage 0 is fp32, BRAIN padding and a loop with planted inefficiencies; every later stage adds
 one fix (``effdl.lm.stages`` lists them). All stages train the same seeded model on
 the same documents per step (the same real tokens; padding never counts) for the same number of
-steps: ``--warmup-steps`` untimed, then the timed steps, then ``--profile-steps`` under
-torch.profiler (a gzipped Chrome trace per stage in ``--trace-dir``, Perfetto-viewable).
+steps: ``--warmup-steps`` untimed, then the stages take turns of ``--block-steps`` timed steps
+(each turn opens with one untimed step), so that a drift of the host's speed over the run falls
+on every stage alike, then ``--profile-steps`` under torch.profiler (a gzipped Chrome trace per
+stage in ``--trace-dir``, Perfetto-viewable).
 
     python3 lm_training/speedup_stages.py --quick                  # CPU: tiny model, seconds
     python3 lm_training/speedup_stages.py --device cuda            # d 1024, seq 640, all stages
@@ -20,7 +22,6 @@ with a ``<bos>`` in front and truncated to ``--max-length``. One record per stag
 from __future__ import annotations
 
 import argparse
-import gc
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
+from tqdm.auto import tqdm
 
 from effdl.cli import (
     ConfigFlags,
@@ -51,7 +53,7 @@ from effdl.lm import data as lm_data
 from effdl.lm import stages as st
 from effdl.models.gpt_like import config_from_sizes
 from effdl.profiling.kernel_split import read_trace_events, step_breakdown
-from effdl.profiling.timing import RegionTimer, peak_memory
+from effdl.profiling.timing import GIB, peak_memory
 
 TASK = "lm_training"
 LOG = "speedup_stages.jsonl"
@@ -66,6 +68,7 @@ class StudyConfig:
     steps: int = 150
     warmup_steps: int = 10
     profile_steps: int = 4
+    block_steps: int = 8  # timed steps per turn of a stage (after one untimed step)
     tokens_per_step: int = 16384  # real tokens of every step
     max_length: int = 640
     d_model: int = 1024
@@ -82,12 +85,13 @@ class StudyConfig:
     layer_norm: str = "fused"
 
     @property
-    def timed_steps(self) -> int:
+    def interleaved_steps(self) -> int:
+        """The steps between the warm-up and the profiled ones, run in blocks stage by stage."""
         return self.steps - self.warmup_steps - self.profile_steps
 
     def validate(self) -> None:
         require_positive(self, "steps", "tokens_per_step", "max_length", "d_model", "n_heads")
-        require_positive(self, "n_layers", "d_ff", "bpe_vocab", "profile_steps")
+        require_positive(self, "n_layers", "d_ff", "bpe_vocab", "profile_steps", "block_steps")
         require_positive(self, "warmup_steps", minimum=0)
         require_processes(self, "workers")
         require_positive(self, "lr", minimum=0)
@@ -105,10 +109,10 @@ class StudyConfig:
                 f"--tokens-per-step {self.tokens_per_step} is below --max-length "
                 f"{self.max_length}: a step must hold the longest document"
             )
-        if self.timed_steps < 1:
+        if self.interleaved_steps < 2:
             raise UsageError(
-                f"--steps {self.steps} leaves no timed step after --warmup-steps "
-                f"{self.warmup_steps} and --profile-steps {self.profile_steps}"
+                f"--steps {self.steps} leaves fewer than 2 steps (an untimed and a timed one) "
+                f"after --warmup-steps {self.warmup_steps} and --profile-steps {self.profile_steps}"
             )
 
 
@@ -157,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Study
     flags.add("steps", type=int, help="optimizer steps of every stage")
     flags.add("warmup_steps", type=int, help="first steps, untimed")
     flags.add("profile_steps", type=int, help="last steps, under torch.profiler")
+    flags.add("block_steps", type=int, help="timed steps of a stage's turn (stages take turns)")
     flags.add("tokens_per_step", type=int, help="real (non-padding) tokens of every step")
     flags.add("max_length", type=int, help="longest document and packed row")
     flags.add("d_model", type=int)
@@ -243,52 +248,49 @@ def profiled_steps(
 
 
 # ---------------------------------------------------------------------------------- stages
-def run_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run, trace_dir: Path) -> dict:
-    """Train stage ``index`` from the seeded initial weights; its metrics."""
+def start_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run) -> st.StageRun:
+    """Stage ``index`` built from the seeded initial weights and its warm-up steps run."""
     stage = st.stages()[index]
-    model_cfg = config_from_sizes(cfg, data.vocab_size, dropout=0.0)
-    model = st.build_model(model_cfg, stage, run.device, run.seed, cfg.layer_norm)
-    parts = st.StepParts(
-        model=model,
-        optimizer=st.build_optimizer(model, stage, cfg.lr),
-        precision=st.stage_precision(stage, run.device, cfg.amp_dtype),
-        stage=stage,
-        device=run.device,
-        pad_id=data.pad_id,
-    )
-    block = model.loader_block_size(run.device)
-    loader = st.step_loader(data.plan, stage, data.pad_id, block, cfg.workers, run.device)
-    batches = iter(loader)
-    losses = st.LossLog(stage.loss_read_once)
-    for step in range(cfg.warmup_steps):
-        losses.add(step, st.train_step(batches, parts)[0])
-    # CUDA events, no host sync: the GPU's own pace, its idle waits for the host included
-    timer = RegionTimer(run.device)
-    slots = []
     with peak_memory(run.device) as mem:
-        for step in range(cfg.warmup_steps, cfg.warmup_steps + cfg.timed_steps):
-            with timer.region():
-                loss, n_slots = st.train_step(batches, parts)
-                losses.add(step, loss)
-            slots.append(n_slots)
-        step_s = timer.times()
-    trace = trace_dir / f"{st.stage_name(index)}.json.gz"
-    first = cfg.warmup_steps + cfg.timed_steps
-    breakdown = profiled_steps(batches, parts, losses, first, cfg.profile_steps, trace)
-    curve = losses.values()
+        model_cfg = config_from_sizes(cfg, data.vocab_size, dropout=0.0)
+        model = st.build_model(model_cfg, stage, run.device, run.seed, cfg.layer_norm)
+        parts = st.StepParts(
+            model=model,
+            optimizer=st.build_optimizer(model, stage, cfg.lr),
+            precision=st.stage_precision(stage, run.device, cfg.amp_dtype),
+            stage=stage,
+            device=run.device,
+            pad_id=data.pad_id,
+        )
+        block = model.loader_block_size(run.device)
+        loader = st.step_loader(data.plan, stage, data.pad_id, block, cfg.workers, run.device)
+        sr = st.StageRun(index, parts, iter(loader), st.LossLog(stage.loss_read_once))
+        sr.train(cfg.warmup_steps)
+    sr.add_peak(mem, held=0)
+    if run.device.type == "cuda":
+        sr.resident = torch.cuda.memory_allocated(run.device) - mem.start_bytes
+    return sr
+
+
+def finish_stage(sr: st.StageRun, cfg: StudyConfig, trace_dir: Path) -> dict:
+    """The profiled steps, the loss check and the stage's metrics."""
+    trace = trace_dir / f"{st.stage_name(sr.index)}.json.gz"
+    breakdown = profiled_steps(sr.batches, sr.parts, sr.losses, sr.step, cfg.profile_steps, trace)
+    curve = sr.losses.values()
     for step, loss in enumerate(curve):  # a speed study: no stage may diverge
-        require_converged("--lr", f"{st.stage_name(index)} at step {step}", loss)
-    median = float(np.median(step_s))
+        require_converged("--lr", f"{st.stage_name(sr.index)} at step {step}", loss)
+    median = float(np.median(sr.step_s))
     return {
         "tokens_per_step": cfg.tokens_per_step,
         "steps": cfg.steps,
-        "timed_steps": cfg.timed_steps,
+        "timed_steps": len(sr.step_s),
+        "blocks": len(st.block_sizes(cfg.interleaved_steps, cfg.block_steps)),
         "step_s_median": median,
-        "step_s": step_s,
+        "step_s": sr.step_s,
         "tokens_per_s": cfg.tokens_per_step / median,
-        "tokens_per_s_mean": cfg.tokens_per_step * len(step_s) / sum(step_s),
-        "padding_fraction": 1 - cfg.tokens_per_step * len(slots) / sum(slots),
-        "peak_mem_gib": mem.gib,  # None on the CPU: not measured
+        "tokens_per_s_mean": cfg.tokens_per_step * len(sr.step_s) / sum(sr.step_s),
+        "padding_fraction": 1 - cfg.tokens_per_step * len(sr.slots) / sum(sr.slots),
+        "peak_mem_gib": None if sr.peak is None else sr.peak / GIB,  # None: CPU, not measured
         "loss_curve": curve,
         "final_loss": curve[-1],
         "breakdown": breakdown,
@@ -297,11 +299,16 @@ def run_stage(index: int, cfg: StudyConfig, data: StudyData, run: Run, trace_dir
     }
 
 
-def release(device: torch.device) -> None:
-    """Free the previous stage's memory before the next one starts."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def run_stages(
+    indices: list[int], cfg: StudyConfig, data: StudyData, run: Run, trace_dir: Path
+) -> dict[int, dict]:
+    """Every stage of ``indices`` built and warmed up, then trained in turns of one block each
+    (so a drift of the host's or the GPU's speed falls on all of them alike), then profiled."""
+    runs = [start_stage(i, cfg, data, run) for i in tqdm(indices, desc="build + warm up")]
+    for size in tqdm(st.block_sizes(cfg.interleaved_steps, cfg.block_steps), desc="blocks"):
+        for sr in runs:
+            st.timed_block(sr, size)
+    return {sr.index: finish_stage(sr, cfg, trace_dir) for sr in runs}
 
 
 def stage_record_config(index: int, cfg: StudyConfig, data: StudyData, run: Run) -> dict:
@@ -328,16 +335,22 @@ def main(argv: list[str] | None = None) -> None:
     run = start_run(args, TASK, LOG)
     trace_dir = args.trace_dir or run.out / "traces"
     data = load_data(cfg, run.seed)
+    skipped, measured = [], []
+    for index in args.stages:
+        if st.stages()[index].compile and run.device.type == "cpu" and not cfg.compile_on_cpu:
+            skipped.append(index)
+        else:
+            measured.append(index)
+    metrics = run_stages(measured, cfg, data, run, trace_dir) if measured else {}
     rows = []
     for index in args.stages:
         config = stage_record_config(index, cfg, data, run)
-        if st.stages()[index].compile and run.device.type == "cpu" and not cfg.compile_on_cpu:
+        if index in skipped:
             reason = "compile stage skipped on the CPU (minutes of compilation; --compile-on-cpu)"
             print(f"note: {reason}")
             run.log.log(st.stage_name(index), config, {"skipped": reason})
             continue
-        m = run_stage(index, cfg, data, run, trace_dir)
-        release(run.device)
+        m = metrics[index]
         run.log.log(st.stage_name(index), config, m)
         rows.append({
             "stage": st.stage_name(index),

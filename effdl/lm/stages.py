@@ -13,8 +13,8 @@ counted), so tokens/s compares equal work and the loss curves compare equal data
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from effdl.ops.layer_norm import (
     TritonLayerNorm,
     swap_layer_norms,
 )
+from effdl.profiling.timing import PeakMemory, RegionTimer, peak_memory
 
 # (flag, what switching it on changes), in stage order: stage i has the first i flags on.
 STAGE_FLAGS: tuple[tuple[str, str], ...] = (
@@ -295,3 +296,56 @@ class LossLog:
         if self.read_once and self._losses:
             return torch.stack(self._losses).float().cpu().tolist()
         return [float(v) for v in self._losses]
+
+
+# ------------------------------------------------------------------- stages taking turns
+def block_sizes(steps: int, block_steps: int) -> list[int]:
+    """``steps`` split into blocks of about ``block_steps + 1`` steps (at least one block):
+    the steps each stage runs in turn, the first of every block untimed."""
+    n = max(1, steps // (block_steps + 1))
+    return [len(b) for b in np.array_split(np.arange(steps), n)]
+
+
+@dataclass
+class StageRun:
+    """One stage while the study runs: its step, its next batches, its losses so far, the
+    timed steps and its own peak memory (bytes above what was allocated before it was built)."""
+
+    index: int
+    parts: StepParts
+    batches: Iterator
+    losses: LossLog
+    step: int = 0
+    resident: int = 0  # bytes it keeps between steps (weights, gradients, Adam state)
+    peak: int | None = None  # None on the CPU: not measured
+    step_s: list[float] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+    def train(self, n: int, timer: RegionTimer | None = None) -> None:
+        for _ in range(n):
+            if timer is None:
+                loss, n_slots = train_step(self.batches, self.parts)
+            else:
+                with timer.region():
+                    loss, n_slots = train_step(self.batches, self.parts)
+                self.slots.append(n_slots)
+            self.losses.add(self.step, loss)
+            self.step += 1
+
+    def add_peak(self, mem: PeakMemory, held: int) -> None:
+        """A region's peak: its rise above ``mem.start_bytes`` plus the ``held`` bytes of this
+        stage that were alive at the region's start."""
+        if mem.gib is not None:
+            self.peak = max(self.peak or 0, mem.bytes - mem.start_bytes + held)
+
+
+def timed_block(sr: StageRun, steps: int) -> None:
+    """One untimed step (the switch from the stage before: its queued work, a cold allocator),
+    then ``steps - 1`` steps timed with CUDA events, no host sync: the GPU's own pace, its idle
+    waits for the host included."""
+    timer = RegionTimer(sr.parts.device)
+    with peak_memory(sr.parts.device) as mem:
+        sr.train(1)
+        sr.train(steps - 1, timer)
+        sr.step_s += timer.times()
+    sr.add_peak(mem, held=sr.resident)
