@@ -5,8 +5,8 @@ command's run on a second host (the replicate log), each stage's factor over the
 its interval and one verdict over the hosts, the planted mistakes counted as found and fixed, the
 profiled steps of each stage (the Chrome traces beside the log) and the profiler quantity that
 shows each fix; the LayerNorm benchmark (torch's LayerNorm against effdl's fused one, the log's
-``path`` naming the code that ran) and the stage-9 ablation with each LayerNorm
-(layer_norm_ablation_stage9_<variant>.jsonl, whichever variants are present); and the answers and
+``path`` naming the code that ran) and the ablation of the fused_layer_norm stage with each
+LayerNorm (layer_norm_ablation_<variant>.jsonl, whichever variants are present); and the answers and
 targets of the report's first two tables, the appendix's replicate and provenance tables. It
 displays nothing: the notebook runs it with
 ``%run -i`` and shows the tables.
@@ -39,7 +39,7 @@ S_STAGES = "The speed-up, stage by stage"
 S_STEP = "Where each stage's step time goes; memory; the loss curves"
 S_PROFILE = "What the profiler showed, and what each fix did"
 S_LN = "The fused LayerNorm"
-S_LN_PATH = "Stage 9 with each LayerNorm"
+S_LN_PATH = "The fused_layer_norm stage with each LayerNorm"
 S_FLOOR = "The step against the datasheet rates"
 S_APPENDIX = "Appendix: replicate and runs"
 
@@ -70,7 +70,8 @@ def verdict(lo, hi):
 
 # The study: one run on one host (speedup_stages.jsonl), the same command on other hosts in the
 # replicate log (told apart by env.gpu_id): together they give the run-to-run noise.
-all_main = read_records(LM / "speedup_stages.jsonl")
+MAIN_LOG = find_log(LM / "speedup_stages.jsonl")
+all_main = read_records(MAIN_LOG)
 measured = stage_records(all_main)
 first, last = measured[0], measured[-1]
 CFG, ENV = first["config"], first["env"]
@@ -178,19 +179,24 @@ def gemm_ms(t):
                and ("gemm" in e["name"].lower() or "nvjet" in e["name"])) / 1e3 / t.n  # fmt: skip
 
 
+# what zero_grad runs without set_to_none
+ZEROING_OPS = {"aten::_foreach_zero_", "aten::zero_", "aten::fill_"}
 # fix -> (what the profiler row shows, its short name, how to read it from a trace)
 EVIDENCE = {
     "amp": ("GEMM kernel time per step, ms (fp32 sgemm -> fp16 tensor-core GEMMs)",
             "GEMM ms/step", gemm_ms),
     "packing": ("GPU kernel time per step, ms (padding computed)", "kernel ms/step",
                 lambda t: sum(t.count(c)[1] for c in KERNELS)),
+    "no_empty_cache": ("cudaFree + cudaMalloc calls per step (the allocator's blocks returned, "
+                       "then taken again)", "cudaFree + cudaMalloc/step",
+                       lambda t: t.count("cuda_runtime", {"cudaFree", "cudaMalloc"})[0]),
     "loss_read_once": ("aten::item + cudaStreamSynchronize after the step's ranges, calls/step",
                        "item + sync calls/step",
                        lambda t: t.count("cpu_op", {"aten::item"}, "host_gap")[0]
                        + t.count("cuda_runtime", {"cudaStreamSynchronize"}, "host_gap")[0]),
-    "grads_to_none": ("fill kernels launched by zero_grad (optimizer range), per step",
-                      "fill kernels/step",
-                      lambda t: t.count("kernel", where="optimizer", contains="Fill")[0]),
+    "grads_to_none": ("zero_grad's zeroing ops in the optimizer range (aten::_foreach_zero_, "
+                      "zero_ or fill_), calls/step", "zeroing ops/step",
+                      lambda t: t.count("cpu_op", ZEROING_OPS, "optimizer")[0]),
     "loader_workers": ("host time in data_wait (collation in the training process), ms/step",
                        "data_wait ms/step",
                        lambda t: sum(b - a for a, b in t.spans["data_wait"]) / 1e3 / t.n),
@@ -207,8 +213,8 @@ EVIDENCE = {
     "compile": ("GPU kernels per step (fusion)", "kernels/step", lambda t: t.kernels()),
 }  # fmt: skip
 # the fixes whose evidence counts GPU kernels or CUDA calls: none in a CPU trace
-GPU_EVIDENCE = {"amp", "packing", "grads_to_none", "async_copy", "masks_from_loader", "fused_adam",
-                "fused_layer_norm", "compile"}  # fmt: skip
+GPU_EVIDENCE = {"amp", "packing", "no_empty_cache", "async_copy",
+                "masks_from_loader", "fused_adam", "fused_layer_norm", "compile"}  # fmt: skip
 
 
 def evidence(fix):
@@ -308,22 +314,23 @@ def ln_kernel_answer(s):
             "large shapes")  # fmt: skip
 
 
-# Stage 9 of the study with each LayerNorm (speedup_stages.py --layer-norm ..., the variants'
-# runs interleaved on one host): one log per variant, layer_norm_ablation_stage9_<variant>.jsonl.
+# The fused_layer_norm stage with each LayerNorm (speedup_stages.py --stages <before>,<it>
+# --layer-norm ..., the variants' processes alternating on one host): one log per variant,
+# layer_norm_ablation_<variant>.jsonl. Every process also trains the stage before (nn.LayerNorm),
+# the two taking turns, so each variant is compared with nn.LayerNorm inside its own process.
 ABLATION_LABELS = {"torch_kernel": "torch's kernel", "triton_kernels": "the Triton kernels"}
-ABLATION_PREFIX = "layer_norm_ablation_stage9_"
+ABLATION_PREFIX = "layer_norm_ablation_"
 ablation_keys = {p.name.removeprefix(ABLATION_PREFIX).split(".")[0]
                  for p in LM.glob(f"{ABLATION_PREFIX}*.jsonl*")}  # fmt: skip
 ABLATION = {k: ABLATION_LABELS.get(k, k)
             for k in sorted(ablation_keys, key=lambda k: (k != "torch_kernel", k))}  # fmt: skip
-ablation, ablation_stage8 = {}, []
+ablation, ablation_before = {}, {}  # variant -> its runs' records of the stage / the one before
 for key in ABLATION:
     for r in read_records(find_log(LM / f"{ABLATION_PREFIX}{key}.jsonl")):
-        if r["config"]["stage"] == 9:
-            ablation.setdefault(key, []).append(r)
-        elif r["config"]["stage"] == 8:
-            ablation_stage8.append(r)
-ABLATION_TRITON = [k for k in ablation if k != "torch_kernel"]  # the Triton variants
+        side = ablation if r["config"]["fix"] == "fused_layer_norm" else ablation_before
+        side.setdefault(key, []).append(r)
+LN_STAGE = next((r["config"]["stage"] for v in ablation.values() for r in v), None)
+LN_BEFORE = f"stage {LN_STAGE - 1} (nn.LayerNorm)" if LN_STAGE else None
 # aten's LayerNorm kernels are templated on the input's dtype (their first template argument)
 ATEN_LN_DTYPES = {"float": ("fp32", 4), "c10::Half": ("fp16", 2), "c10::BFloat16": ("bf16", 2)}
 
@@ -368,26 +375,27 @@ def factor_list(fs):
     return ", ".join(f"{x:.2f}x [{lo:.2f}-{hi:.2f}]" for x, lo, hi in fs)
 
 
+def ablation_factors(key):
+    """Per run of ``key``: the fused_layer_norm stage against the stage before in the same
+    process (> 1: faster than nn.LayerNorm), with its 90% interval."""
+    return step_factors(ablation_before.get(key, []), ablation[key])
+
+
 def ablation_answer():
-    """Stage 9 with the Triton kernels against stage 9 with torch's kernel, and both against
-    stage 8, per run, with intervals."""
-    if "torch_kernel" not in ablation or not ABLATION_TRITON:
+    """Each LayerNorm variant in the fused_layer_norm stage against nn.LayerNorm (the stage
+    before) in its own process, per run, with intervals."""
+    if not ablation or not ablation_before:
         return MISSING
-    ref = ablation["torch_kernel"]
-    parts = [f"{ABLATION[k]} against torch's kernel {factor_list(step_factors(ref, ablation[k]))}"
-             for k in ABLATION_TRITON]  # fmt: skip
-    if ablation_stage8:
-        parts += [f"{ABLATION[k]} against stage 8 (nn.LayerNorm) "
-                  f"{factor_list(step_factors(ablation_stage8, ablation[k]))}"
-                  for k in ABLATION]  # fmt: skip
+    parts = [f"{ABLATION[k]} {factor_list(ablation_factors(k))}" for k in ablation]
+    ref = next(iter(ablation.values()))
     peaks = sorted({f"{r['metrics']['peak_mem_gib']:.2f}" for v in ablation.values() for r in v})
-    return (f"stage-9 speed per run (x, > 1 faster; {len(ref)} interleaved runs, "
-            f"{device_name(ref[0]['env'])}): " + "; ".join(parts)
-            + f"; peak memory {'-'.join(peaks)} GiB with each")  # fmt: skip
+    return (f"stage {LN_STAGE} against {LN_BEFORE} in the same process, per run (x, > 1 "
+            f"faster; {len(ref)} runs per variant, {device_name(ref[0]['env'])}): "
+            + "; ".join(parts) + f"; peak memory {'-'.join(peaks)} GiB with each")  # fmt: skip
 
 
 def ln_training_answer():
-    """Stage 9 in the study (FusedLayerNorm), with the kernels its input takes."""
+    """The fused_layer_norm stage in the study, with the kernels its input takes."""
     if "fused_layer_norm" not in by_fix:
         return MISSING
     where = (
@@ -397,7 +405,7 @@ def ln_training_answer():
         f"TRITON_MIN_BYTES ({TRITON_MIN_BYTES / 2**20:.0f} MiB), so FusedLayerNorm runs "
         f"{STUDY_LN_PATH}"
         + (
-            ", the same aten kernels as stage 8's nn.LayerNorm; "
+            ", the same aten kernels as nn.LayerNorm in the stage before; "
             if STUDY_LN_DTYPE == "fp32"
             else "; "
         )
@@ -407,13 +415,22 @@ def ln_training_answer():
     return where + with_peak("fused_layer_norm")
 
 
-# The six loop mistakes planted in stage 0 (stages 3-8); the stages before them fix the setup
-# of the AMP and data parts, the ones after are the bonuses.
+# The loop mistakes planted in stage 0 (the stages between the setup and the bonuses); the stages
+# before them fix the setup of the AMP and data parts, the ones after are the bonuses.
 SETUP, BONUSES = ("amp", "packing"), ("fused_layer_norm", "compile")
 PLANTED = [fix for fix in by_fix if fix not in SETUP + BONUSES]
 FIXED = [fix for fix in PLANTED if over_runs(fix) == "faster"]
 TRIED = [fix for fix in PLANTED if fix not in FIXED]
 REQUIRED_FIXES = 5
+MISTAKES = {  # fix -> the mistake it removes, as the answers table names it
+    "loader_workers": "DataLoader without workers or pinned memory",
+    "no_empty_cache": "torch.cuda.empty_cache() after every step",
+    "fused_adam": "Adam as a per-parameter loop",
+    "async_copy": "blocking host-to-device copies",
+    "masks_from_loader": "attention masks rebuilt in the step",
+    "loss_read_once": "the loss read and printed every step",
+    "grads_to_none": "zero_grad fills gradients with zeros",
+}
 
 
 def count_answer():
@@ -429,16 +446,8 @@ answers = [
     Answer("Setup fixed from the AMP and data parts (stages 1-2)",
            f"AMP {CFG['amp_dtype']}: {stage_answer('amp', 'faster')}. Packing: "
            f"{stage_answer('packing', 'faster')}", S_PROFILE),
-    Answer("Inefficiency: the loss read and printed every step",
-           stage_answer("loss_read_once"), S_PROFILE),
-    Answer("Inefficiency: zero_grad fills gradients with zeros",
-           stage_answer("grads_to_none"), S_PROFILE),
-    Answer("Inefficiency: DataLoader without workers or pinned memory",
-           stage_answer("loader_workers"), S_PROFILE),
-    Answer("Inefficiency: blocking host-to-device copies", stage_answer("async_copy"), S_PROFILE),
-    Answer("Inefficiency: attention masks rebuilt in the step",
-           stage_answer("masks_from_loader"), S_PROFILE),
-    Answer("Inefficiency: Adam as a per-parameter loop", stage_answer("fused_adam"), S_PROFILE),
+    *[Answer(f"Inefficiency: {MISTAKES.get(fix, fix)}", stage_answer(fix), S_PROFILE)
+      for fix in PLANTED],
     Answer("Inefficiencies found and fixed (the first 5 are graded)", count_answer(), S_PROFILE),
     Answer("Total speed-up of training; each stage's is in its own row (report)",
            f"{total:.1f}x [{total_lo:.1f}-{total_hi:.1f}]: stage 0 "
@@ -447,7 +456,7 @@ answers = [
            + (f"; {len(totals)} hosts {min(totals):.1f}-{max(totals):.1f}x" if len(totals) > 1 else ""),
            S_STAGES),
     Answer("Bonus: FusedLayerNorm in training, speed and memory", ln_training_answer(), S_LN_PATH),
-    Answer("Bonus: FusedLayerNorm at stage 9, torch's kernel vs the Triton kernels",
+    Answer(f"Bonus: FusedLayerNorm at stage {LN_STAGE}, torch's kernel vs the Triton kernels",
            ablation_answer(), S_LN_PATH),
     Answer("Bonus: fused LayerNorm kernels alone", ln_kernel_answer(TRITON), S_LN),
     Answer("Bonus: torch.compile, speed and memory", with_peak("compile"), S_STAGES),
@@ -517,7 +526,7 @@ def replicate_rows():
 def provenance():
     """One row per log the report reads: git sha, GPU model, GPU tag(s), runs (distinct run ids)."""
     paths = [
-        LM / "speedup_stages.jsonl",
+        MAIN_LOG,
         REPLICATE_LOG,
         LN_LOG,
         find_log(LM / "layer_norm_benchmark_bf16_replicate.jsonl"),
