@@ -1,10 +1,11 @@
 """lm_training/speedup_stages.py and its stages (effdl.lm.stages): cumulative stages, the same
-real tokens in every step, the padded and the packed first step against each other in fp32,
-and a --quick run's records."""
+real tokens in every step, the padded and the packed first step against each other in fp32, the
+blocks the stages take turns in, a --quick run's records, and (CUDA) the planted empty_cache."""
 
 import dataclasses
 import gzip
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +23,22 @@ FLAGS = [name for name, _ in st.STAGE_FLAGS]
 def random_docs(n: int, max_length: int, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 97, rng.integers(1, max_length + 1)) for _ in range(n)]
+
+
+def small_stage(
+    cfg: GPTLikeConfig,
+    stage: st.Stage,
+    device: torch.device,
+    plan: st.StepPlan,
+    seed: int,
+    workers: int,
+) -> tuple[st.StepParts, Iterator]:
+    """``stage``'s step parts (bf16 where it has amp, Adam lr 1e-3, pad id 0) and its batches."""
+    model = st.build_model(cfg, stage, device, seed=seed)
+    optimizer = st.build_optimizer(model, stage, 1e-3)
+    precision = st.stage_precision(stage, device, "bf16")
+    parts = st.StepParts(model, optimizer, precision, stage, device, pad_id=0)
+    return parts, iter(st.step_loader(plan, stage, 0, None, workers=workers, device=device))
 
 
 def test_each_stage_adds_one_fix_to_all_earlier_ones():
@@ -61,12 +78,7 @@ def test_padded_and_packed_first_step_losses_agree_in_fp32():
     device = torch.device("cpu")
     losses = []
     for stage in (st.stages()[0], dataclasses.replace(st.stages()[2], amp=False)):
-        model = st.build_model(cfg, stage, device, seed=3)
-        parts = st.StepParts(
-            model, st.build_optimizer(model, stage, 1e-3), st.stage_precision(stage, device, "bf16"),
-            stage, device, pad_id=0,
-        )  # fmt: skip
-        batches = iter(st.step_loader(plan, stage, 0, None, workers=0, device=device))
+        parts, batches = small_stage(cfg, stage, device, plan, seed=3, workers=0)
         losses.append(st.train_step(batches, parts)[0])
     assert losses[0].dtype == torch.float32
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
@@ -119,12 +131,7 @@ def test_only_the_stages_before_no_empty_cache_free_and_malloc_every_step():
     index = FLAGS.index("no_empty_cache") + 1
     calls = []
     for stage in st.stages()[index - 1 : index + 1]:
-        model = st.build_model(cfg, stage, device, seed=0)
-        parts = st.StepParts(
-            model, st.build_optimizer(model, stage, 1e-3), st.stage_precision(stage, device, "bf16"),
-            stage, device, pad_id=0,
-        )  # fmt: skip
-        batches = iter(st.step_loader(plan, stage, 0, None, workers=1, device=device))
+        parts, batches = small_stage(cfg, stage, device, plan, seed=0, workers=1)
         st.train_step(batches, parts)
         st.train_step(batches, parts)  # warm: optimizer state and cached blocks exist
         torch.cuda.synchronize()
