@@ -22,6 +22,7 @@ import pandas as pd
 from loaders.replicates import log_provenance  # reports/loaders/ (cwd: reports/)
 
 from effdl.answers import Answer, Target
+from effdl.data.corpus import WIKITEXT103_TRAIN_LINES, WIKITEXT103_TRAIN_TOKENS
 from effdl.ops.layer_norm import TRITON_MIN_BYTES
 from effdl.profiling.timing import median_ratio_ci
 from effdl.results import device_name, find_log, read_records, results_dir
@@ -77,6 +78,18 @@ first, last = measured[0], measured[-1]
 CFG, ENV = first["config"], first["env"]
 GPU = device_name(ENV)
 DATA = f"real text: the Python standard library ({CFG['corpus']}), BPE {CFG['vocab_size']}"
+# seed 001 trains on WikiText-103, a document per line; the study's stand-in and its lengths
+WIKI_PER_LINE = WIKITEXT103_TRAIN_TOKENS / WIKITEXT103_TRAIN_LINES
+STAND_IN = (
+    f"*Stand-in data: seed 001 trains on WikiText-103, a document per line ({WIKITEXT103_TRAIN_LINES:,} "
+    f"lines and {WIKITEXT103_TRAIN_TOKENS:,} word tokens in the published train split, "
+    f"{WIKI_PER_LINE:.1f} per line, blank lines included); nothing here downloads data, so the study "
+    f"trains on the Python standard library's documentation and source cut into paragraphs "
+    f"({CFG['documents']:,} paragraphs, {CFG['mean_document_tokens']:.1f} BPE tokens each on average "
+    f"after truncation to {CFG['max_length']}). The units differ (WikiText's word tokens, our BPE "
+    "tokens); in both, the mean document is a small fraction of the maximum length, which is what "
+    "padding wastes and packing recovers.*"
+)
 REPLICATE_LOG = find_log(LM / "speedup_stages_replicate.jsonl")
 by_host = {}
 for r in read_records(REPLICATE_LOG) if REPLICATE_LOG.exists() else []:
