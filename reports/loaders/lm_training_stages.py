@@ -83,7 +83,7 @@ WIKI_PER_LINE = WIKITEXT103_TRAIN_TOKENS / WIKITEXT103_TRAIN_LINES
 STAND_IN = (
     f"*Stand-in data: seed 001 trains on WikiText-103, a document per line ({WIKITEXT103_TRAIN_LINES:,} "
     f"lines and {WIKITEXT103_TRAIN_TOKENS:,} word tokens in the published train split, "
-    f"{WIKI_PER_LINE:.1f} per line, blank lines included); nothing here downloads data, so the study "
+    f"{WIKI_PER_LINE:.1f} per line, blank lines included); the project downloads no data, so the study "
     f"trains on the Python standard library's documentation and source cut into paragraphs "
     f"({CFG['documents']:,} paragraphs, {CFG['mean_document_tokens']:.1f} BPE tokens each on average "
     f"after truncation to {CFG['max_length']}). The units differ (WikiText's word tokens, our BPE "
