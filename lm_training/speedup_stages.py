@@ -22,7 +22,6 @@ with a ``<bos>`` in front and truncated to ``--max-length``. One record per stag
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from effdl.cli import (
     start_run,
 )
 from effdl.data.parquet import read_text_column
-from effdl.data.stdlib_text import DEFAULT_CACHE
+from effdl.data.stdlib_text import DEFAULT_CACHE, text_blocks
 from effdl.data.tokenize import TokenizedCorpus, encode_with_tokenizer
 from effdl.lm import data as lm_data
 from effdl.lm import stages as st
@@ -196,11 +195,6 @@ class StudyData:
     mean_length: float
 
 
-def paragraphs(texts: list[str]) -> list[str]:
-    """The non-empty blocks between blank lines of every text."""
-    return [b for t in texts for b in re.split(r"\n\s*\n", t) if b.strip()]
-
-
 def load_data(cfg: StudyConfig, seed: int) -> StudyData:
     """The stdlib corpus as BPE paragraphs (``<bos>`` first, cut to ``max_length``) and the
     step plan every stage trains on."""
@@ -209,7 +203,7 @@ def load_data(cfg: StudyConfig, seed: int) -> StudyData:
         lm_data.default_tokenizer(cfg.cache, cfg.corpus_bytes, cfg.bpe_vocab)
     )
     texts = read_text_column(source.train).to_pylist()
-    docs: TokenizedCorpus = encode_with_tokenizer(tokenizer, paragraphs(texts), specials.bos)
+    docs: TokenizedCorpus = encode_with_tokenizer(tokenizer, text_blocks(texts), specials.bos)
     docs = docs.truncate(cfg.max_length, min_length=2)
     if cfg.steps * cfg.tokens_per_step > docs.n_tokens:
         print(f"note: {cfg.steps} steps of {cfg.tokens_per_step} tokens pass over the corpus "

@@ -10,7 +10,9 @@ arithmetic. ``--seeds N`` trains every setup from N init seeds (same batches): t
 setup's result, and in the reference's reruns how far two correct runs drift apart, the noise
 own Autocast's curve should stay within.
 
-Logged to ``--out``/lm_precision.jsonl, variant = setup, ``config.kind`` = ``step``, ``run``
+Logged to ``--out``/lm_precision.jsonl, variant = setup, ``config.kind`` = ``step`` (loss,
+accuracy, loss scale, skipped, and the norm of the unscaled gradients: inf/NaN where the scaled
+ones overflowed), ``eval`` (held-out loss and accuracy every ``--eval-every`` steps), ``run``
 (held-out figures as a run ends), ``final`` (with the gaps to the reference) or ``timing`` (a
 whole training step and its fwd+bwd on one fixed batch, setups in rotating rounds; medians).
 
@@ -22,7 +24,10 @@ The defaults (:class:`LMPrecisionConfig`) are the GPU experiment: 4 post-norm de
 width 1024 without dropout (seeds only change the init), a basic_english vocabulary of 32768,
 samples cut to 256 tokens in length-bucketed batches of 32 (BalancedBatchSampler, k=16), 500
 AdamW steps. Data: ``--data`` (WikiText-103 files or parquet; a seeded subset of ``--n-samples``
-lines) or a generated WikiText-like corpus of that many samples. ``--quick``: a CPU smoke run.
+lines) or, by default, that many paragraphs of the Python standard library's documentation and
+source (real text, built under ``--cache``; WikiText lines are paragraphs too). Samples, not
+documents, are split into training and held-out sets, as WikiText lines would be.
+``--quick``: a CPU smoke run.
 
     python task1_loss_scaling/lm_precision.py --quick                  # CPU smoke run
     python task1_loss_scaling/lm_precision.py --device cuda            # the GPU experiment
@@ -59,6 +64,7 @@ from effdl.cli import (
 )
 from effdl.data.lm_batches import LMData, fixed_lm_data, text_samples
 from effdl.data.padding import Batch, pad_batch
+from effdl.data.stdlib_text import DEFAULT_CACHE
 from effdl.models.gpt_like import GPTLikeModel, config_from_sizes
 from effdl.models.lm_objective import LMAccuracy, LMCrossEntropyLoss
 from effdl.profiling.harness import HarnessConfig, Regions, Variant, time_variants
@@ -88,9 +94,9 @@ RECORDED = ("d_model", "n_layers", "n_heads", "d_ff", "max_length", "batch_size"
 class LMPrecisionConfig:
     """Settings of one run; the defaults are the GPU experiment."""
 
-    data: Path | None = None  # WikiText-103 files or a parquet; None: the generated corpus
+    data: Path | None = None  # WikiText-103 files or a parquet; None: the stdlib's paragraphs
+    cache: Path = DEFAULT_CACHE  # where the stdlib corpus is built once
     n_samples: int = 30_000
-    synthetic_vocab: int = 200_000  # distinct words of the generated corpus
     setups: list[str] = field(default_factory=lambda: list(SETUPS))
     seeds: int = 3  # init seeds per setup
     steps: int = 500
@@ -104,6 +110,7 @@ class LMPrecisionConfig:
     lr: float = 3e-4
     warmup_steps: int = 50
     eval_batches: int = 20
+    eval_every: int = 100  # steps between held-out evaluations (0: only at the end)
     amp_dtype: str = "fp16"
     # One factor must fit the whole run, and gradients grow as the LM trains.
     static_scale: float = 2.0**10
@@ -114,8 +121,8 @@ class LMPrecisionConfig:
     def validate(self) -> None:
         require_positive(self, "n_samples", "steps", "batch_size", "max_length", "max_vocab",
                          "d_model", "n_layers", "eval_batches", minimum=2)  # fmt: skip
-        require_positive(self, "k", "lr", "warmup_steps", "timing_reps", minimum=0)
-        require_positive(self, "seeds", "growth_interval", "synthetic_vocab", "timing_batch_sizes")
+        require_positive(self, "k", "lr", "warmup_steps", "timing_reps", "eval_every", minimum=0)
+        require_positive(self, "seeds", "growth_interval", "timing_batch_sizes")
         require_choices(self, "setups", SETUPS)
         require_choices(self, "pipeline", PIPELINES)
         require_choices(self, "amp_dtype", LOW_DTYPES)
@@ -124,8 +131,9 @@ class LMPrecisionConfig:
         if not self.static_scale > 0:
             raise UsageError(f"--static-scale must be > 0, got {self.static_scale!r}")
         rows = max([self.batch_size, *self.timing_batch_sizes])
-        numel = rows * self.max_length * self.d_model * self.n_layers + self.synthetic_vocab * self.d_model  # fmt: skip
-        require_fits("--batch-size --timing-batch-sizes --max-length --d-model --n-layers --synthetic-vocab", numel, "a batch's activations and the embedding")  # fmt: skip
+        numel = rows * self.max_length * self.d_model * self.n_layers + self.max_vocab * self.d_model  # fmt: skip
+        require_fits("--batch-size --timing-batch-sizes --max-length --d-model --n-layers --max-vocab", numel, "a batch's activations and the embedding")  # fmt: skip
+        require_fits("--n-samples --max-length", self.n_samples * self.max_length, "the tokenized samples", bytes_per_element=8)  # fmt: skip
 
     @property
     def n_heads(self) -> int:
@@ -142,9 +150,9 @@ class LMPrecisionConfig:
 
 
 FULL = LMPrecisionConfig()
-QUICK = LMPrecisionConfig(n_samples=2_500, synthetic_vocab=20_000, seeds=2, steps=30,
-                          batch_size=8, max_length=64, max_vocab=2048, d_model=64, n_layers=2,
-                          warmup_steps=5, eval_batches=4, timing_reps=4)  # fmt: skip
+QUICK = LMPrecisionConfig(n_samples=2_500, seeds=2, steps=30, batch_size=8, max_length=64,
+                          max_vocab=2048, d_model=64, n_layers=2, warmup_steps=5,
+                          eval_batches=4, eval_every=10, timing_reps=4)  # fmt: skip
 
 
 def parse_config() -> tuple[LMPrecisionConfig, Run]:
@@ -152,9 +160,10 @@ def parse_config() -> tuple[LMPrecisionConfig, Run]:
     p = base_parser(__doc__.splitlines()[0], default_out="runs/task1")
     flags = ConfigFlags(p, FULL, QUICK)
     flags.add("data", type=Path, help="wiki.train.raw/.tokens, their folder, or a parquet with "
-              "a 'text' column; none: the generated WikiText-103-like corpus")  # fmt: skip
+              "a 'text' column; none: the standard library's paragraphs")  # fmt: skip
+    flags.add("cache", type=Path, output=True,
+              help="folder of the standard-library corpus (built once)")  # fmt: skip
     flags.add("n_samples", type=int, help="text lines used")
-    flags.add("synthetic_vocab", type=int, help="distinct words of the generated corpus")
     flags.add("setups", nargs="+", help="a subset of the six setups")
     flags.add("seeds", type=int, help="init seeds per setup (same batches)")
     flags.add("steps", type=int, help="training steps per setup")
@@ -168,6 +177,7 @@ def parse_config() -> tuple[LMPrecisionConfig, Run]:
     flags.add("lr", type=float)
     flags.add("warmup_steps", type=int, help="linear lr warm-up")
     flags.add("eval_batches", type=int, help="held-out batches")
+    flags.add("eval_every", type=int, help="steps between held-out evaluations (0: at the end)")
     flags.add("amp_dtype", help=f"one of {list(LOW_DTYPES)}")
     flags.add("static_scale", type=float, help="StaticGradScaler factor")
     flags.add("growth_interval", type=int, help="both dynamic scalers")
@@ -183,7 +193,7 @@ def parse_config() -> tuple[LMPrecisionConfig, Run]:
 def prepare_data(cfg: LMPrecisionConfig, run: Run) -> LMData:
     """The fixed batches of every run; a timing batch larger than the training set is a usage
     error."""
-    lines, source = text_samples(cfg.data, cfg.n_samples, cfg.synthetic_vocab, run.seed)
+    lines, source = text_samples(cfg.data, cfg.n_samples, run.seed, cfg.cache)
     data = fixed_lm_data(lines, source, max_vocab=cfg.max_vocab, max_length=cfg.max_length,
                          pipeline=cfg.pipeline, batch_size=cfg.batch_size, k=cfg.k,
                          steps=cfg.steps, eval_batches=cfg.eval_batches, seed=run.seed,
@@ -212,31 +222,40 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
     """Train one setup; log every step and the run's record; return the summary and the curve."""
     model, optimizer, prec = build(setup, seed, cfg, len(data.vocab), run.device)
     loss_fn, acc_fn = LMCrossEntropyLoss(), LMAccuracy()
-    losses, accs, scales, skipped = [], [], [], []
+    losses, accs, scales, skipped, norms = [], [], [], [], []
     config = {"kind": "step", "run_id": run.run_id, "setup": setup, "seed": seed, "role": role,
               **cfg.recorded(data, run.device)}  # fmt: skip
+    params = list(model.parameters())
     logged = 0  # steps already on disk: a killed run keeps every checked window
+    evals = []  # held-out records, logged with the window that checked their steps
     for step in tqdm(range(cfg.steps), desc=f"{setup} s{seed}", leave=False):
         for g in optimizer.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         batch = data.train[step]
-        logits, loss = scaled_step(optimizer, prec, lm_forward(model, batch, loss_fn))
+        logits, loss = scaled_step(optimizer, prec, lm_forward(model, batch, loss_fn),
+                                   unscaled_grads=lambda: norms.append(grad_norm(params)))  # fmt: skip
         losses.append(loss.detach().float())
         accs.append(acc_fn(logits.detach(), batch.input_ids, batch.padding_mask).float())
         scale, skip = prec.scale_and_skipped()
         scales.append(scale)
         skipped.append(skip)
         if (step + 1) % CHECK_EVERY == 0 or step + 1 == cfg.steps:  # one sync per window
-            host = torch.stack([torch.stack(losses[logged:]), torch.stack(accs[logged:])]).tolist()
+            window = [torch.stack(x[logged:]) for x in (losses, accs, norms)]
+            host = torch.stack(window).tolist()
             new = zip(*host, scales[logged:], skipped[logged:], strict=True)
-            for i, (lo, ac, sc, sk) in enumerate(new, start=logged):
+            for i, (lo, ac, gn, sc, sk) in enumerate(new, start=logged):
                 if setup == "fp32":  # no precision effect: the step size is wrong
                     require_converged("--lr", f"the fp32 run at step {i}", lo)
                 run.log.log(setup, config, {"step": i, "loss": lo, "accuracy": ac, "scale": sc,
-                                        "skipped": sk})  # fmt: skip
-            logged = len(losses)
+                                        "skipped": sk, "grad_norm": gn})  # fmt: skip
+            for record in evals:
+                run.log.log(setup, {**config, "kind": "eval"}, record)
+            logged, evals = len(losses), []
             if not all(map(math.isfinite, host[0])):
                 break
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            val_loss, val_acc = lm_heldout_metrics(model, data.heldout, prec)
+            evals.append({"step": step, "heldout_loss": val_loss, "heldout_accuracy": val_acc})
     losses_h, accs_h = torch.stack(losses).tolist(), torch.stack(accs).tolist()
     diverged_at = next((i for i, lo in enumerate(losses_h) if not math.isfinite(lo)), None)
     val_loss = val_acc = math.nan
@@ -257,6 +276,14 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
     run.log.log(setup, {**config, "kind": "run"}, summary)  # the final record needs every run
     return {"setup": setup, "seed": seed, "role": role, "config": config, **summary,
             "curve": np.asarray(losses_h)}  # fmt: skip
+
+
+def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all gradients as one vector, in fp32, on the device (no sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    )
 
 
 def curve_gap(a: np.ndarray, b: np.ndarray) -> float:

@@ -14,6 +14,8 @@ from PIL import Image
 
 from effdl.cli import UsageError, run_main
 from effdl.data.images import SyntheticCarvanaConfig, generate_synthetic_carvana
+from effdl.data.lm_batches import text_samples
+from effdl.data.stdlib_text import stdlib_paragraphs
 from effdl.results import read_records
 from tests.interrupting import whole_records
 
@@ -105,14 +107,15 @@ def run_script(module, argv: list[str], out: Path, monkeypatch, capsys) -> tuple
     return e.value.code, capsys.readouterr().err.strip().splitlines()
 
 
-def test_lm_samples_that_cannot_fit_in_memory_are_refused(tmp_path, monkeypatch, capsys):
-    code, err = run_script(lm, ["--n-samples", str(10**10)], tmp_path, monkeypatch, capsys)
-    assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(
-        "lm_precision.py: error: --n-samples 10,000,000,000: the generated text needs at least "
-    )
-    assert err[0].endswith("GiB free")
-    assert not (tmp_path / "lm_precision.jsonl").exists()  # a log appears with its first record
+def test_lm_default_data_is_a_seeded_sample_of_the_stdlib_paragraphs(tmp_path):
+    """Without --data the LM reads real text: --n-samples paragraphs of the standard library's
+    corpus, the same ones for the same seed, other ones for another."""
+    every, name = stdlib_paragraphs(tmp_path)
+    lines, source = text_samples(None, 300, seed=0, cache_dir=tmp_path)
+    assert source == f"{name} paragraphs (300 lines)"
+    assert len(lines) == 300 and set(lines) <= set(every)
+    assert text_samples(None, 300, seed=0, cache_dir=tmp_path)[0] == lines
+    assert text_samples(None, 300, seed=1, cache_dir=tmp_path)[0] != lines
 
 
 @pytest.mark.parametrize(
@@ -202,8 +205,9 @@ def test_a_killed_lm_run_keeps_every_checked_step_on_disk(tmp_path, monkeypatch,
             capsys,
         )
     records = read_records(tmp_path / "lm_precision.jsonl")
-    assert [r["metrics"]["step"] for r in records] == list(range(lm.CHECK_EVERY))
-    assert all(r["config"]["kind"] == "step" for r in records)
+    steps = [r["metrics"]["step"] for r in records if r["config"]["kind"] == "step"]
+    assert steps == list(range(lm.CHECK_EVERY))
+    assert all(r["config"]["kind"] in ("step", "eval") for r in records)
 
 
 def test_an_interrupted_lm_run_keeps_the_record_of_each_finished_run(tmp_path, monkeypatch, capsys):
@@ -222,6 +226,9 @@ def test_an_interrupted_lm_run_keeps_the_record_of_each_finished_run(tmp_path, m
     code, err = run_script(lm, argv, tmp_path, monkeypatch, capsys)
     assert code == 130 and err[-1].endswith("lm_precision.py: interrupted"), err
     records = whole_records(tmp_path / "lm_precision.jsonl")
+    evals = [r["metrics"]["step"] for r in records if r["config"]["kind"] == "eval"]
+    assert evals == list(range(lm.QUICK.eval_every - 1, lm.QUICK.steps - 1, lm.QUICK.eval_every))
+    records = [r for r in records if r["config"]["kind"] != "eval"]
     assert [r["config"]["kind"] for r in records] == ["step"] * lm.QUICK.steps + ["run"]
     assert {r["variant"] for r in records} == {"fp32"}
     run = records[-1]["metrics"]

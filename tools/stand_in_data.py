@@ -5,11 +5,12 @@ real data sets' published figures.
     python3 tools/stand_in_data.py --quick         # the sizes the demo runs on
 
 Writes one record per (data set, statistic) (:mod:`effdl.data.stand_in`) to
-``<out>/task1/stand_in_data.jsonl`` (the Carvana-like set of train_unet.py and the corpus sample
-of lm_precision.py), ``<out>/task2/stand_in_data.jsonl`` (the WikiText-103-like corpus of the
+``<out>/task1/stand_in_data.jsonl`` (the Carvana-like set of train_unet.py and the sample of
+standard-library paragraphs lm_precision.py trains on, against WikiText-103's lines), ``<out>/task2/stand_in_data.jsonl`` (the WikiText-103-like corpus of the
 batching runs) and ``<out>/vit/stand_in_data.jsonl`` (the Clothing-like set of the ViT runs).
-Each data set is generated as its task's script generates it (same settings and seed) and named
-in ``config.source`` as that script's logs name it. Token counts use basic_english, as the runs.
+Each data set is made as its task's script makes it (same settings and seed) and named in
+``config.source`` as that script's logs name it. Token counts use basic_english, as the runs.
+The paragraphs depend on the Python installation: run this where lm_precision.py ran.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from effdl.cli import ArgumentParser, require_writable_folder, run_main
 from effdl.data import clothing, corpus, images
 from effdl.data.lm_batches import text_samples
 from effdl.data.stand_in import NOT_PUBLISHED
+from effdl.data.stdlib_text import DEFAULT_CACHE
 from effdl.data.tokenize import basic_english_many
 from effdl.results import RunLog
 from effdl.vit_pipeline.config import PRESETS
@@ -46,7 +48,6 @@ class Sizes:
     carvana: images.SyntheticCarvanaConfig  # train_unet.py: --n-images, seed 0
     unet_size: int  # train_unet.py --size: the masks the UNet sees
     lm_samples: int  # lm_precision.py --n-samples
-    lm_vocab: int  # lm_precision.py --synthetic-vocab
     lm_max_length: int  # lm_precision.py --max-length
     corpus_quick: bool  # the batching scripts' corpus: quick, or WikiText-103 size
     corpus_max_length: int  # BRAIN's padded length
@@ -58,9 +59,9 @@ def vit_sizes(quick: bool) -> tuple[int, int, int]:
     return cfg.n_images, cfg.min_side, cfg.max_side
 
 
-FULL = Sizes(images.SyntheticCarvanaConfig(n_images=5088), 256, 30_000, 200_000, 256, False,
-             640, vit_sizes(False))  # fmt: skip
-QUICK = Sizes(images.SyntheticCarvanaConfig(n_images=40), 64, 2_500, 20_000, 64, True, 128,
+FULL = Sizes(images.SyntheticCarvanaConfig(n_images=5088), 256, 30_000, 256, False, 640,
+             vit_sizes(False))  # fmt: skip
+QUICK = Sizes(images.SyntheticCarvanaConfig(n_images=40), 64, 2_500, 64, True, 128,
               vit_sizes(True))  # fmt: skip
 
 
@@ -99,11 +100,7 @@ def log_corpus(stats: StatLog, s: corpus.CorpusStats, whole_split: bool, long: t
         stats.add("words_per_line", "whitespace tokens per line, blank lines included", "tokens",
                   words / s.n_lines, real_tokens / corpus.WIKITEXT103_TRAIN_LINES,
                   f"{MERITY}: tokens / lines")  # fmt: skip
-    for q, v in zip((50, 90, 99), np.percentile(s.line_tokens, (50, 90, 99)), strict=True):
-        stats.add(f"line_tokens_p{q}", f"tokens per sample, {q}th percentile", "tokens", float(v))
-    stats.add("line_tokens_max", "tokens per sample, max", "tokens", int(s.line_tokens.max()))
-    for n in long:
-        stats.add(f"share_over_{n}", f"samples over {n} tokens", "share", s.share_longer(n))
+    log_sample_lengths(stats, s, long)
     per_article = real_tokens / corpus.WIKITEXT103_TRAIN_ARTICLES
     stats.add("article_tokens_mean", "tokens per article, mean (basic_english)", "tokens",
               float(s.article_lengths().mean()), per_article, PER_ARTICLE)  # fmt: skip
@@ -112,7 +109,29 @@ def log_corpus(stats: StatLog, s: corpus.CorpusStats, whole_split: bool, long: t
               PER_ARTICLE)  # fmt: skip
 
 
-def measure_task1(out: Path, sizes: Sizes, workers: int | None) -> None:
+def log_sample_lengths(stats: StatLog, s: corpus.CorpusStats, long: tuple[int, ...]) -> None:
+    """Percentiles and maximum of the tokens per sample, and the share longer than each of
+    ``long``."""
+    for q, v in zip((50, 90, 99), np.percentile(s.line_tokens, (50, 90, 99)), strict=True):
+        stats.add(f"line_tokens_p{q}", f"tokens per sample, {q}th percentile", "tokens", float(v))
+    stats.add("line_tokens_max", "tokens per sample, max", "tokens", int(s.line_tokens.max()))
+    for n in long:
+        stats.add(f"share_over_{n}", f"samples over {n} tokens", "share", s.share_longer(n))
+
+
+def log_paragraphs(stats: StatLog, s: corpus.CorpusStats, long: tuple[int, ...]) -> None:
+    """A sample of paragraphs standing in for WikiText lines: their count and lengths, the mean
+    against WikiText-103's tokens per line (blank lines included, as published)."""
+    stats.add("samples", "paragraphs (samples)", "count", s.n_samples)
+    stats.add("tokens", "tokens, basic_english", "tokens", int(s.line_tokens.sum()), None, SAMPLE)
+    stats.add("words_per_sample", "whitespace tokens per sample, mean", "tokens",
+              float(s.line_words.mean()),
+              corpus.WIKITEXT103_TRAIN_TOKENS / corpus.WIKITEXT103_TRAIN_LINES,
+              f"{MERITY}: tokens / lines, blank lines included")  # fmt: skip
+    log_sample_lengths(stats, s, long)
+
+
+def measure_task1(out: Path, sizes: Sizes, workers: int | None, cache: Path) -> None:
     log = RunLog(out / "task1" / "stand_in_data.jsonl", "stand_in_data", create=True)
     cfg = sizes.carvana
     stats = StatLog(log, "carvana_like", "Carvana Image Masking Challenge, train",
@@ -134,11 +153,11 @@ def measure_task1(out: Path, sizes: Sizes, workers: int | None) -> None:
         stats.add(f"mask_fraction_{key}", f"car share of a mask's pixels, {name}", "share",
                   float(value))  # fmt: skip
 
-    lines, source = text_samples(None, sizes.lm_samples, sizes.lm_vocab, seed=0)
-    lm = StatLog(log, "wikitext103_like", "WikiText-103 (raw) train", source,
-                 n_samples=sizes.lm_samples, vocab_size=sizes.lm_vocab)  # fmt: skip
-    s = corpus.measure_corpus(tqdm([lines], desc="lm_precision corpus"), basic_english_many)
-    log_corpus(lm, s, whole_split=False, long=(sizes.lm_max_length, sizes.corpus_max_length))
+    lines, source = text_samples(None, sizes.lm_samples, seed=0, cache_dir=cache)
+    lm = StatLog(log, "stdlib_paragraphs", "WikiText-103 (raw) train lines", source,
+                 n_samples=sizes.lm_samples)  # fmt: skip
+    s = corpus.measure_corpus(tqdm([lines], desc="lm_precision paragraphs"), basic_english_many)
+    log_paragraphs(lm, s, long=(sizes.lm_max_length, sizes.corpus_max_length))
 
 
 def measure_task2(out: Path, sizes: Sizes) -> None:
@@ -186,13 +205,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="the demo's small sizes")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="data sets")
     p.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs)")
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
+                   help="folder of the standard-library corpus lm_precision.py reads")  # fmt: skip
     args = p.parse_args()
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers: must be at least 1, got {args.workers}")
     out = require_writable_folder(args.out, "--out")
     sizes = QUICK if args.quick else FULL
     if "task1" in args.tasks:
-        measure_task1(out, sizes, args.workers)
+        measure_task1(out, sizes, args.workers, args.cache)
     if "task2" in args.tasks:
         measure_task2(out, sizes)
     if "vit" in args.tasks:

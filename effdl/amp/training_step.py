@@ -20,15 +20,21 @@ def scaled_step(
     prec: Precision,
     forward: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     grad_region: AbstractContextManager | None = None,
+    unscaled_grads: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One training step: gradients dropped, ``forward()`` -> (output, loss) under ``prec``'s
     autocast and the scaled backward (both inside ``grad_region``, e.g. a timer's region), then
-    the scaler's unscale, skip check and optimizer step. Returns (output, loss), not detached."""
+    the scaler's unscale, skip check and optimizer step. ``unscaled_grads`` is called between
+    the unscale and the step, where the gradients are the true ones (to measure their norm).
+    Returns (output, loss), not detached."""
     optimizer.zero_grad(set_to_none=True)
     with grad_region or contextlib.nullcontext():
         with prec.autocast():
             output, loss = forward()
         prec.backward(loss)
+    if unscaled_grads is not None:
+        prec.scaler.unscale_(optimizer)
+        unscaled_grads()
     prec.step(optimizer)
     return output, loss
 

@@ -1,29 +1,21 @@
 """Fixed LM batches for comparing training setups: text samples (a seeded subset of a WikiText
-file, or the generated corpus), a seeded train/held-out split, and the batches of a pipeline
+file, or of the standard library's paragraphs), a seeded train/held-out split, and the batches of a pipeline
 moved to the device once, so every setup replays the same batches in the same order."""
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from effdl.cli import UsageError, require_memory, require_path
-from effdl.data.corpus import (
-    CorpusFormatError,
-    SyntheticCorpusConfig,
-    read_wikitext,
-    synthetic_corpus,
-)
+from effdl.cli import UsageError, require_path
+from effdl.data.corpus import CorpusFormatError, read_wikitext
 from effdl.data.padding import Batch
 from effdl.data.pipelines import make_loader
+from effdl.data.stdlib_text import stdlib_paragraphs
 from effdl.data.tokenize import TokenizedCorpus, Vocab, fit_basic_english
-
-# Non-empty lines are about two thirds of the generated lines: ask for this share more.
-NON_EMPTY_SHARE = 0.6
 
 
 @dataclass
@@ -38,34 +30,26 @@ class LMData:
 
 
 def text_samples(
-    data: Path | None, n_samples: int, synthetic_vocab: int, seed: int
+    data: Path | None, n_samples: int, seed: int, cache_dir: Path
 ) -> tuple[list[str], str]:
     """(lines, what they are): a seeded subset of ``n_samples`` lines of ``data`` (WikiText-103
-    files or a parquet with a ``text`` column), or that many non-empty generated lines with
-    ``synthetic_vocab`` distinct words. A bad path or format, or generated text larger than the
-    host's free memory, is a UsageError naming ``--data`` or ``--n-samples``."""
+    files or a parquet with a ``text`` column), or, without ``data``, of the paragraphs of the
+    standard-library corpus (real text, built once under ``cache_dir``). A bad path or format is
+    a UsageError naming ``--data``."""
     if data is None:
-        synthetic = SyntheticCorpusConfig(n_lines=int(n_samples / NON_EMPTY_SHARE) + 100,
-                                          seed=seed, vocab_size=synthetic_vocab)  # fmt: skip
-        require_host_memory(n_samples, synthetic)
-        return synthetic_corpus(synthetic)[:n_samples], f"synthetic(n={n_samples}, seed={seed})"
-    require_path(data, "WikiText-103 files or a parquet with a 'text' column", "--data")
-    try:
-        lines = read_wikitext(data)
-    except CorpusFormatError as e:
-        raise UsageError(f"--data: {e}") from None
+        lines, name = stdlib_paragraphs(cache_dir)
+        source = f"{name} paragraphs"
+    else:
+        require_path(data, "WikiText-103 files or a parquet with a 'text' column", "--data")
+        try:
+            lines = read_wikitext(data)
+        except CorpusFormatError as e:
+            raise UsageError(f"--data: {e}") from None
+        source = str(data)
     if len(lines) > n_samples:
         pick = np.random.default_rng(seed).choice(len(lines), n_samples, replace=False)
         lines = [lines[i] for i in np.sort(pick)]
-    return lines, f"{data} ({len(lines)} lines)"
-
-
-def require_host_memory(n_samples: int, synthetic: SyntheticCorpusConfig) -> None:
-    """UsageError unless ``n_samples`` generated lines fit in the host's free memory; their size
-    is extrapolated from a pilot of 2,000 lines (a lower bound: tokenizing needs more)."""
-    pilot = synthetic_corpus(replace(synthetic, n_lines=2000))
-    need = n_samples * sum(map(sys.getsizeof, pilot)) / max(len(pilot), 1)
-    require_memory(f"--n-samples {n_samples:,}", need, "cpu", what="the generated text")
+    return lines, f"{source} ({len(lines)} lines)"
 
 
 def split_corpus(

@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import shutil
 import sysconfig
 import tempfile
@@ -263,6 +264,18 @@ def stdlib_training_text(
     docs = read_text_column(corpus.train).to_pylist()
     folder = Path(tokenizer_dir) if tokenizer_dir is not None else stdlib_bpe(corpus, bpe_vocab)
     return TrainingText(docs, corpus.name, folder, tokenizer_token_id(folder, BOS_TOKEN))
+
+
+def text_blocks(texts: Iterable[str]) -> list[str]:
+    """The non-empty blocks between blank lines of every text: paragraphs of the documentation,
+    statements and functions of the source, the unit a WikiText line is."""
+    return [b for t in texts for b in re.split(r"\n\s*\n", t) if b.strip()]
+
+
+def stdlib_paragraphs(cache_dir: Path = DEFAULT_CACHE) -> tuple[list[str], str]:
+    """(blocks, the corpus's name): :func:`text_blocks` of the stdlib corpus's training half."""
+    corpus = stdlib_corpus(cache_dir)
+    return text_blocks(read_text_column(corpus.train).to_pylist()), corpus.name
 
 
 def token_counts(
