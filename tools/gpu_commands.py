@@ -132,7 +132,7 @@ COMMANDS: tuple[GpuCommand, ...] = (
         "task1-lm-precision",
         "python3 task1_loss_scaling/lm_precision.py --device cuda --timing-batch-sizes 32 128 --out runs/task1",
         "python3 task1_loss_scaling/lm_precision.py --device cuda --timing-batch-sizes 32 128"
-        " --n-samples 2500 --synthetic-vocab 20000 --max-vocab 4096 --d-model 256 --steps 20"
+        " --n-samples 2500 --cache {cache}/lm --max-vocab 4096 --d-model 256 --steps 20"
         " --warmup-steps 2 --seeds 2 --eval-batches 2 --timing-reps 5 --out {out}",
         45,
         Headline("amp_dynamic", "step_s_median", "ms/step", 1e3),
