@@ -67,17 +67,31 @@ LOG = raw["source"].map(lambda s: Path(s).name.split(".")[0])  # which script wr
 gemm_log = raw[LOG == "gemm_kernel_count"]
 kernel_probe = raw[LOG == "small_config_kernels"]
 
-# The benchmark's records: the newest commit (on a GPU where there is one) and one GPU kind; for
-# each (dtype, config, stack) the newest run at that commit.
-bench = raw[LOG.str.endswith("benchmark")].copy()
+# The benchmark's records (logs named benchmark*), on a GPU where there is one: per stack (a run's
+# config.residual) the newest commit and its GPU; for each (dtype, config, stack) the newest run
+# there.
+bench = raw[LOG.str.startswith("benchmark")].copy()
 bench["env.gpu"] = [device_name(rec) for _, rec in bench.iterrows()]  # a CPU run: "CPU (x86_64)"
 on_gpu = bench[~bench["env.gpu"].str.startswith("CPU")]
 pool = on_gpu if len(on_gpu) else bench
-newest = pool.sort_values("env.time").iloc[-1]
-COMMIT, MACHINE = newest["env.git_sha"], newest["env.gpu"]
+
+
+def stack_of_runs(frame):
+    """config.residual of each run (env.run_id) of ``frame``, from its variant records."""
+    rows = frame[frame["config.residual"].notna()]
+    return rows.groupby("env.run_id")["config.residual"].first().astype(bool)
+
+
+pool = pool.assign(stack=pool["env.run_id"].map(stack_of_runs(pool)))
+newest_per_stack = pool.dropna(subset=["stack"]).sort_values("env.time").groupby("stack").tail(1)
+runs = pd.concat(
+    pool[(pool["stack"] == n["stack"]) & (pool["env.git_sha"] == n["env.git_sha"])
+         & (pool["env.gpu"] == n["env.gpu"])]
+    for _, n in newest_per_stack.iterrows()
+)  # fmt: skip
+MACHINE = " / ".join(sorted(set(runs["env.gpu"])))
 ON_GPU = len(on_gpu) > 0
 NOT_MEASURED = "не измерено"
-runs = pool[(pool["env.git_sha"] == COMMIT) & (pool["env.gpu"] == MACHINE)]
 
 VARIANTS = ["reference", "checkpoint", "level0", "level1", "level2"]
 NAMES = {
@@ -213,15 +227,8 @@ stack_cmp = pd.DataFrame()
 stack_l1 = pd.DataFrame()
 if len(other):
     cols = ["metrics.step_s_median", "metrics.peak_gib"]
-    both = (
-        main.set_index(["config.dtype", "config", "variant"])[cols]
-        .join(
-            other.set_index(["config.dtype", "config", "variant"])[cols],
-            how="inner",
-            rsuffix=" other",
-        )
-        .reset_index()
-    )
+    key = ["config.dtype", "config", "variant"]
+    both = main[[*key, *cols]].merge(other[[*key, *cols]], on=key, suffixes=("", " other"))
     stack_cmp = pd.DataFrame(
         {
             "dtype": both["config.dtype"],
@@ -437,6 +444,8 @@ def replicate_table():
     rep = pd.DataFrame(
         log_records(SWIGLU, ("benchmark*.jsonl", "benchmark*.jsonl.gz"), replicate=True)
     )
+    if not rep.empty:  # a replicate of the main grid's stack only
+        rep = rep[rep["env.run_id"].map(stack_of_runs(rep)) == MAIN_RESIDUAL]
     if rep.empty:
         return rep, ""
     rep = rep[rep["variant"] == "summary"].set_index(["config.dtype", "metrics.config"])

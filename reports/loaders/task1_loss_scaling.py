@@ -50,9 +50,11 @@ def latest_run(df):
 
 
 def numeric(df, *cols):
-    """Logged floats may be the string 'nan' (a diverged run): make the columns numeric."""
+    """Logged floats may be the string 'nan' (a diverged run): make the columns numeric (those
+    the log has)."""
     for c in cols:
-        df[c] = pd.to_numeric(df[c], errors="coerce")
+        if c in df:
+            df[c] = pd.to_numeric(df[c], errors="coerce")
     return df
 
 
@@ -73,10 +75,11 @@ UNET_GPU = device_name(env)
 
 # LM log: the latest invocation only
 lm = latest_run(load_results(R, "lm_precision.jsonl"))
-lm_steps, lm_final, lm_timing = (
-    lm[lm["config.kind"] == k].copy() for k in ("step", "final", "timing")
+lm_steps, lm_final, lm_timing, lm_eval = (
+    lm[lm["config.kind"] == k].copy() for k in ("step", "final", "timing", "eval")
 )
-numeric(lm_steps, "metrics.loss", "metrics.accuracy", "metrics.scale")
+numeric(lm_steps, "metrics.loss", "metrics.accuracy", "metrics.scale", "metrics.grad_norm")
+numeric(lm_eval, "metrics.step", "metrics.heldout_loss", "metrics.heldout_accuracy")
 numeric(lm_final, "metrics.heldout_loss", "metrics.heldout_accuracy", "metrics.final_train_loss")
 corpus = lm["config.corpus"].iloc[0]
 LM_DATA = (
