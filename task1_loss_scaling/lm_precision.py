@@ -46,7 +46,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from effdl.amp.grads import grads_of, total_norm
 from effdl.amp.precision import LOW_DTYPES, PrecisionSpec, build_precision
+from effdl.amp.reference_gaps import add_reference_gaps
 from effdl.amp.training_step import lm_forward, lm_heldout_metrics, scaled_step
 from effdl.cli import (
     ConfigFlags,
@@ -233,7 +235,7 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
             g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         batch = data.train[step]
         logits, loss = scaled_step(optimizer, prec, lm_forward(model, batch, loss_fn),
-                                   unscaled_grads=lambda: norms.append(grad_norm(params)))  # fmt: skip
+                                   unscaled_grads=lambda: norms.append(total_norm(grads_of(params))))  # fmt: skip
         losses.append(loss.detach().float())
         accs.append(acc_fn(logits.detach(), batch.input_ids, batch.padding_mask).float())
         scale, skip = prec.scale_and_skipped()
@@ -278,42 +280,11 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
             "curve": np.asarray(losses_h)}  # fmt: skip
 
 
-def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all gradients as one vector, in fp32, on the device (no sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-    )
-
-
-def curve_gap(a: np.ndarray, b: np.ndarray) -> float:
-    """Mean |a - b| over the steps both runs completed (NaN if one diverged at once)."""
-    n = min(len(a), len(b))
-    return float(np.mean(np.abs(a[:n] - b[:n]))) if n else float("nan")
-
-
 def log_finals(runs: list[dict], log: RunLog) -> None:
-    """One ``final`` record per run, with its gaps to the reference run of the main seed.
-
-    ``noise_*`` are the largest gaps between the reference and its reruns with other seeds:
-    a setup whose gaps are no larger is within run-to-run noise of the reference.
-    """
-    ref = next((r for r in runs if r["setup"] == REFERENCE and r["role"] == "main"), None)
-    noise = [r for r in runs if r["setup"] == REFERENCE and r["role"] == "rerun"]
-    noise_curve = max((curve_gap(r["curve"], ref["curve"]) for r in noise), default=math.nan)
-    noise_loss = max((abs(r["heldout_loss"] - ref["heldout_loss"]) for r in noise),
-                     default=math.nan) if ref else math.nan  # fmt: skip
+    """One ``final`` record per run, with its gaps to the reference run of the main seed
+    (:func:`effdl.amp.reference_gaps.add_reference_gaps`)."""
+    add_reference_gaps(runs, REFERENCE)
     for r in runs:
-        extra = {}
-        if ref is not None:
-            extra = {"curve_gap_to_reference": curve_gap(r["curve"], ref["curve"]),
-                     "heldout_loss_gap_to_reference": abs(r["heldout_loss"] - ref["heldout_loss"]),
-                     "noise_curve_gap": noise_curve, "noise_heldout_loss_gap": noise_loss}  # fmt: skip
-            extra["within_noise"] = (
-                extra["curve_gap_to_reference"] <= noise_curve
-                and extra["heldout_loss_gap_to_reference"] <= noise_loss
-            )
-        r.update(extra)
         metrics = {k: v for k, v in r.items() if k not in ("setup", "seed", "role", "config",
                                                             "curve")}  # fmt: skip
         log.log(r["setup"], {**r["config"], "kind": "final"}, metrics)

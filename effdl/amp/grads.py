@@ -60,3 +60,11 @@ def zero_fraction(grads: list[Tensor]) -> Tensor:
     home = grads[0].device
     nonzero = torch.stack([torch.count_nonzero(g).to(home) for g in grads]).sum()
     return 1.0 - nonzero.to(torch.float32) / total
+
+
+def total_norm(grads: list[Tensor]) -> Tensor:
+    """The L2 norm of all ``grads`` as one vector, in fp32, on the device (no sync): the
+    gradient-norm trace a training log keeps (inf/NaN where an element is)."""
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    )

@@ -4,6 +4,7 @@ it surrounds is the one without the hook."""
 import pytest
 import torch
 
+from effdl.amp.grads import total_norm
 from effdl.amp.precision import PrecisionSpec, build_precision
 from effdl.amp.training_step import scaled_step
 
@@ -39,3 +40,12 @@ def test_the_hook_sees_unscaled_gradients_and_leaves_the_step_alone(scaler):
     for w, ref, free in zip(after, plain_after, after_without_hook, strict=True):
         torch.testing.assert_close(w, ref)
         assert torch.equal(w, free)
+
+
+def test_total_norm_is_torchs_over_mixed_dtypes_and_inf_where_an_element_is():
+    torch.manual_seed(0)
+    grads = [torch.randn(7, 3), torch.randn(5, dtype=torch.float16), torch.randn(2, 2, 2) * 1e3]
+    expected = torch.nn.utils.get_total_norm([g.float() for g in grads])
+    torch.testing.assert_close(total_norm(grads), expected)
+    grads[1][0] = float("inf")
+    assert total_norm(grads).isinf()
