@@ -120,7 +120,10 @@ def flag(frame, key):
 
 
 alone_log = load(f"{EACH_ALONE}*.jsonl")
-d5_src = summ if alone_log is None else alone_log[alone_log["variant"].str.endswith("_summary")]
+ALONE_SUMM = (
+    summ.iloc[:0] if alone_log is None else alone_log[alone_log["variant"].str.endswith("_summary")]
+)
+d5_src = summ if alone_log is None else ALONE_SUMM
 d5_src = d5_src[
     (d5_src["config.grad_accumulation"].fillna(1) == 1)
     & (d5_src["config.precision"].fillna("autocast") == "autocast")
@@ -545,7 +548,7 @@ targets.append(Target(
 
 def provenance():
     """One row per log (and per trace) the report reads: git commit, GPU model, GPU tags, runs."""
-    frames = [f for f in (runs, multi) if f is not None]
+    frames = [f for f in (runs, multi, alone_log) if f is not None]
     logs = envs_by_log(pd.concat(frames)) if frames else {}
     for path in traces + sorted(LM.glob("traces/kernels_*.json*")):
         run = path.name.split(".")[0].removeprefix("trace_").removeprefix("kernels_")

@@ -357,12 +357,34 @@ answers = [
 ]
 
 step_ratio = ut["amp_dynamic"] / ut["amp_torch_scaler"]
+
+
+def lm_step_ratios(setup):
+    """{timing batch rows: ``setup``'s LM training-step median over the reference's}."""
+    rows = tim[tim["variant"] == setup]
+    return dict(
+        zip(rows["rows"], rows["metrics.step_ratio_to_reference"].astype(float), strict=True)
+    )
+
+
 targets = [
     Target(
         "own DynamicGradScaler's UNet step within 3% of torch GradScaler's",
         f"{step_ratio:.3f}x",
         bool(step_ratio <= 1.03),
     ),
+    *[
+        Target(
+            f"{what}'s LM training step within {limit - 1:.0%} of {ref_name}'s, every timing batch",
+            ", ".join(f"{r:.3f}x at {b}x{seq_of[b]}" for b, r in ratios.items()),
+            bool(max(ratios.values()) <= limit),
+        )
+        for what, ref_name, limit, ratios in [
+            ("own Autocast", "torch.autocast", 1.05, lm_step_ratios("own_autocast_torch_scaler")),
+            ("own DynamicGradScaler", "torch GradScaler", 1.03, lm_step_ratios("amp_dynamic")),
+        ]
+        if ratios
+    ],
     Target(
         "own Autocast + torch GradScaler: the LM loss curve of torch.autocast (gap < 1e-6)",
         None if is_missing(gap_own) else f"{gap_own:.1g} nats",

@@ -426,6 +426,7 @@ def module_parts(g):
         modules=("path", "nunique"), calls=(m + "calls", "sum"),
         host_ms=(m + "cpu_time_total_us", "sum"), kernel_ms=(m + "device_time_total_us", "sum"),
     )  # fmt: skip
+    t["calls / iter"] = t.pop("calls") / active
     t["host ms / iter"] = t.pop("host_ms") / active / 1e3
     t["GPU kernels ms / iter"] = t.pop("kernel_ms") / active / 1e3
     t["share of ViT forward kernels"] = t["GPU kernels ms / iter"] / at(
