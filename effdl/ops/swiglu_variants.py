@@ -4,7 +4,8 @@ Variants: ``reference`` (SwigluMLP under plain autograd), ``checkpoint`` (the sa
 torch.utils.checkpoint, per layer), ``level0/1/2`` (MemoryOptimizedSwigluMLP at each
 CheckpointLevel) and ``level0_<backend>`` (level 0 with its elementwise backend forced). A
 variant's cost per training step is its GEMM FLOPs and its elementwise bytes; its floor is the
-first at a measured GEMM ceiling plus the second at a measured copy bandwidth.
+first at a measured square-GEMM rate (a reference, not an upper bound) plus the second at a
+measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def build_stack(
 
 @dataclass(frozen=True)
 class Cost:
-    """A variant's work per step and its floor: GEMM FLOPs at the measured ceiling plus
-    elementwise bytes at the measured copy bandwidth."""
+    """A variant's work per step and its floor: GEMM FLOPs at the measured square-GEMM rate
+    plus elementwise bytes at the measured copy bandwidth."""
 
     backend: str
     gemm_flops: int
