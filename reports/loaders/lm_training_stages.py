@@ -411,18 +411,9 @@ def ln_training_answer():
     """The fused_layer_norm stage in the study, with the kernels its input takes."""
     if "fused_layer_norm" not in by_fix:
         return MISSING
-    where = (
+    where = (  # why that path: the section's text
         ""
         if STUDY_LN_PATH is None
-        else f"the study's {STUDY_LN_BYTES / 2**20:.0f} MiB {STUDY_LN_DTYPE} input is under "
-        f"TRITON_MIN_BYTES ({TRITON_MIN_BYTES / 2**20:.0f} MiB), so FusedLayerNorm runs "
-        f"{STUDY_LN_PATH}"
-        + (
-            ", the same aten kernels as nn.LayerNorm in the stage before; "
-            if STUDY_LN_DTYPE == "fp32"
-            else "; "
-        )
-        if STUDY_LN_BYTES < TRITON_MIN_BYTES
         else f"FusedLayerNorm runs {STUDY_LN_PATH} at the study's input; "
     )
     return where + with_peak("fused_layer_norm")
