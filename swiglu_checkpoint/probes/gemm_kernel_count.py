@@ -26,7 +26,9 @@ GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass|sm\d+_.*_tn|ampere_|hopper_",
 LEVELS = {"level0": 0, "level1": 1, "level2": 2}
 
 
-def build(variant: str, layers: int, hidden: int, inter: int, device, dtype) -> torch.nn.Module:
+def build(
+    variant: str, layers: int, hidden: int, inter: int, device, dtype, residual: bool
+) -> torch.nn.Module:
     kw = {"device": device, "dtype": dtype}
     if variant in LEVELS:
         mods = [MemoryOptimizedSwigluMLP(hidden, inter, CheckpointLevel(LEVELS[variant]), **kw)
@@ -35,7 +37,7 @@ def build(variant: str, layers: int, hidden: int, inter: int, device, dtype) -> 
         mods = [SwigluMLP(hidden, inter, **kw) for _ in range(layers)]
         if variant == "checkpoint":
             mods = [Checkpointed(m) for m in mods]
-    return MLPStack(mods, residual=True)
+    return MLPStack(mods, residual=residual)
 
 
 def count_gemms(model, x, dy, cuda: bool) -> tuple[int, list[str]]:
@@ -58,6 +60,8 @@ def count_gemms(model, x, dy, cuda: bool) -> tuple[int, list[str]]:
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0], default_out="runs/swiglu")
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--no-residual", dest="residual", action="store_false",
+                   help="bare stack x = mlp(x), as the assignment's test model")  # fmt: skip
     args = p.parse_args()
     require_positive(args, "layers")
     require_fits("--layers", args.layers * 3 * 1024 * 4096, "the layers' weights")
@@ -68,13 +72,14 @@ def main() -> None:
     rows = []
     for variant in ("reference", "checkpoint", "level0", "level2", "level1"):
         torch.manual_seed(args.seed)
-        model = build(variant, args.layers, hidden, inter, run.device, dtype)
+        model = build(variant, args.layers, hidden, inter, run.device, dtype, args.residual)
         x = torch.randn(tokens, hidden, device=run.device, dtype=dtype, requires_grad=True)
         dy = torch.randn_like(x)
         n, names = count_gemms(model, x, dy, cuda)
         per_layer = n / args.layers
         config = {"layers": args.layers, "hidden": hidden, "intermediate": inter,
-                  "tokens": tokens, "dtype": str(dtype), "device": str(run.device)}  # fmt: skip
+                  "tokens": tokens, "dtype": str(dtype), "device": str(run.device),
+                  "residual": args.residual}  # fmt: skip
         run.log.log(variant, config, {"gemms_per_step": n, "gemms_per_layer": per_layer,
                                       "kernel_names": names})  # fmt: skip
         rows.append({"variant": variant, "GEMMs/layer/step": per_layer, "kernels": len(names)})

@@ -42,6 +42,7 @@ class ProbeConfig:
     rounds: int = 10  # interleaved rounds of every kind
     steps_per_round: int = 100
     profiled_steps: int = 20
+    residual: bool = True  # x + mlp(x) per layer, as the benchmark's default; False: the bare stack
 
     def validate(self) -> None:
         require_positive(self, "rounds", "steps_per_round", "profiled_steps")
@@ -53,7 +54,7 @@ QUICK = ProbeConfig(configs=list(CONFIGS[:1]), warmup_steps=3, rounds=3, steps_p
                     profiled_steps=2)  # fmt: skip
 
 
-def build(kind: str, h: int, i: int, n: int, dev: torch.device) -> MLPStack:
+def build(kind: str, h: int, i: int, n: int, dev: torch.device, residual: bool) -> MLPStack:
     torch.manual_seed(0)
     if kind == "reference":
         layers = [SwigluMLP(h, i, device=dev, dtype=DTYPE) for _ in range(n)]
@@ -61,7 +62,7 @@ def build(kind: str, h: int, i: int, n: int, dev: torch.device) -> MLPStack:
         backend = kind.removeprefix("level0_")
         layers = [MemoryOptimizedSwigluMLP(h, i, 0, device=dev, dtype=DTYPE, elementwise=backend)
                   for _ in range(n)]  # fmt: skip
-    return MLPStack(layers, residual=True)
+    return MLPStack(layers, residual=residual)
 
 
 def steps(kind: str, m: MLPStack, x: torch.Tensor, dy: torch.Tensor, n: int) -> None:
@@ -90,7 +91,7 @@ def measure_config(pcfg: ProbeConfig, shape: tuple[int, ...], dev: torch.device)
     bs, seq, h, i, n = shape
     x = torch.randn(bs, seq, h, device=dev, dtype=DTYPE, requires_grad=True)
     dy = torch.randn_like(x)
-    models = {k: build(k, h, i, n, dev) for k in KINDS}
+    models = {k: build(k, h, i, n, dev, pcfg.residual) for k in KINDS}
     for k, m in models.items():
         steps(k, m, x, dy, pcfg.warmup_steps)
     torch.cuda.synchronize()
@@ -120,6 +121,7 @@ def log_config(
         "rounds": pcfg.rounds,
         "steps_per_round": pcfg.steps_per_round,
         "profiled_steps": pcfg.profiled_steps,
+        "residual": pcfg.residual,
     }
     ref = st.median(wall["reference"])
     print(f"\n=== {bs}x{seq} h{h} i{i} L{n} bf16, {log.env['gpu']}")
@@ -147,6 +149,8 @@ def main() -> None:
     flags.add("rounds", type=int, help="interleaved timed rounds")
     flags.add("steps_per_round", type=int, help="back-to-back steps per round")
     flags.add("profiled_steps", type=int, help="steps under torch.profiler per kind")
+    flags.add("residual", flag="--no-residual", action="store_false",
+              help="bare stack x = mlp(x), as the assignment's test model")  # fmt: skip
     args = p.parse_args()
     pcfg = flags.resolve(args)
     require_cuda(args.device, "the small-config kernel probe")
