@@ -229,7 +229,7 @@ def train_run(setup: str, seed: int, role: str, cfg: LMPrecisionConfig, run: Run
               **cfg.recorded(data, run.device)}  # fmt: skip
     params = list(model.parameters())
     logged = 0  # steps already on disk: a killed run keeps every checked window
-    evals = []  # held-out records, logged with the window that checked their steps
+    evals = []  # held-out records, logged at the next window check (none while fp32 diverges)
     for step in tqdm(range(cfg.steps), desc=f"{setup} s{seed}", leave=False):
         for g in optimizer.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
