@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from effdl.amp.grads import total_norm
 from effdl.ops.fp32_accumulate import accumulate_fp32_
 from effdl.ops.fused_adamw import adamw_step_
 
@@ -144,8 +145,7 @@ class MasterWeights:
         norm; the scaling by ``min(1, max_norm / (norm + 1e-6))`` is applied by the next
         :meth:`step` (inside the update's own pass for AdamW)."""
         self._complete_sums()
-        norms = torch.stack([torch.linalg.vector_norm(m.grad) for m in self.masters])
-        norm = torch.linalg.vector_norm(norms)
+        norm = total_norm([m.grad for m in self.masters])
         self._grad_scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         return norm
 
