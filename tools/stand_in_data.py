@@ -6,8 +6,9 @@ real data sets' published figures.
 
 Writes one record per (data set, statistic) (:mod:`effdl.data.stand_in`) to
 ``<out>/task1/stand_in_data.jsonl`` (the Carvana-like set of train_unet.py and the sample of
-standard-library paragraphs lm_precision.py trains on, against WikiText-103's lines), ``<out>/task2/stand_in_data.jsonl`` (the WikiText-103-like corpus of the
-batching runs) and ``<out>/vit/stand_in_data.jsonl`` (the Clothing-like set of the ViT runs).
+standard-library paragraphs lm_precision.py trains on, against WikiText-103's lines),
+``<out>/task2/stand_in_data.jsonl`` (the WikiText-103-like corpus of the batching runs) and
+``<out>/vit/stand_in_data.jsonl`` (the Clothing-like set of the ViT runs).
 Each data set is made as its task's script makes it (same settings and seed) and named in
 ``config.source`` as that script's logs name it. Token counts use basic_english, as the runs.
 The paragraphs depend on the Python installation: run this where lm_precision.py ran.

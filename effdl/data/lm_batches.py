@@ -1,6 +1,7 @@
 """Fixed LM batches for comparing training setups: text samples (a seeded subset of a WikiText
-file, or of the standard library's paragraphs), a seeded train/held-out split, and the batches of a pipeline
-moved to the device once, so every setup replays the same batches in the same order."""
+file, or of the standard library's paragraphs), a seeded train/held-out split, and the batches
+of a pipeline moved to the device once, so every setup replays the same batches in the same
+order."""
 
 from __future__ import annotations
 
