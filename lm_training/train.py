@@ -100,6 +100,7 @@ class TrainConfig:
     parallel: str = "none"
     ddp_bucket_mb: float = 200.0  # DDP all-reduce bucket (torch's default is 25 MB)
     ddp_reduce: str = "fp32"  # the dtype DDP's all-reduces send the gradients in
+    ddp_embedding: str = "rows"  # the embedding's gradient averaged over its looked-up rows
     activation_checkpoint: str = "none"  # none, full, selective:K, op (blocks recomputed)
     save: Path | None = None  # a distributed checkpoint written when this run stops
     resume: Path | None = None  # a checkpoint to continue from
@@ -121,6 +122,7 @@ class TrainConfig:
         require_choices(self, "dataset", ("iterable", "padded"))
         require_choices(self, "parallel", ("none", "ddp", "fsdp"))
         require_choices(self, "ddp_reduce", ("fp32", "bf16"))
+        require_choices(self, "ddp_embedding", ("rows", "dense"))
         require_positive(self, "sequence_length", "batch_size", "grad_accumulation", "steps")
         require_positive(
             self, "log_every", "eval_batches", "profile_steps", "bpe_vocab", "ddp_bucket_mb"
@@ -220,6 +222,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("parallel", choices=["none", "ddp", "fsdp"], help="under torchrun for N processes")
     flags.add("ddp_bucket_mb", type=float, help="MB of gradients per DDP all-reduce")
     flags.add("ddp_reduce", choices=["fp32", "bf16"], help="dtype of DDP's gradient all-reduces")
+    flags.add("ddp_embedding", choices=["rows", "dense"], help="DDP averages the embedding's gradient over the rows looked up, or whole")  # fmt: skip
     flags.add("activation_checkpoint", help="blocks recomputed: none, full, selective:K, op")
     flags.add("save", type=Path, output=True, help="distributed checkpoint written at the end")
     flags.add("resume", type=Path, help="continue from a --save checkpoint")
@@ -282,7 +285,8 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
         add_profile_ranges(model)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
-    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb, reduce_dtype=torch.bfloat16 if cfg.ddp_reduce == "bf16" else torch.float32, init_seed=args.seed)  # fmt: skip
+    rows = cfg.batch_size * cfg.sequence_length * cfg.grad_accumulation if cfg.parallel == "ddp" and cfg.ddp_embedding == "rows" else None  # fmt: skip
+    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb, reduce_dtype=torch.bfloat16 if cfg.ddp_reduce == "bf16" else torch.float32, embedding_tokens_per_step=rows, init_seed=args.seed)  # fmt: skip
     model.train()
     opt, clip = optimizer_and_clip(model, cfg.precision, cfg.lr, cfg.weight_decay, cfg.fused_optimizer)  # fmt: skip
     autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"
@@ -352,8 +356,6 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
             # the step's loss is a mean over the label tokens of all ranks and micro-batches
             loss_sum, n_labels = accumulated_backward(model, batch, compute, loss_fn, d)
             grad_norm = clip(cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                grad_norm = grad_norm.full_tensor()
             with record_function("optimizer_step"):
                 opt.step()
                 opt.zero_grad()

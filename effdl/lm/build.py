@@ -59,13 +59,20 @@ def optimizer_and_clip(
     model: nn.Module, precision: str, lr: float, weight_decay: float, fused: bool
 ) -> tuple[torch.optim.Optimizer | MasterWeights, Callable[[float], torch.Tensor]]:
     """The optimizer of :func:`make_optimizer` and the gradient clipping that goes with it
-    (``clip(max_norm)`` returns the total norm). ``precision == "master"``: bf16 parameters
-    over fp32 masters (effdl.optim.MasterWeights), clipped inside the update's pass."""
+    (``clip(max_norm)`` returns the total norm, a plain tensor also under FSDP2).
+    ``precision == "master"``: bf16 parameters over fp32 masters (effdl.optim.MasterWeights),
+    clipped inside the update's pass."""
     make = partial(make_optimizer, lr=lr, weight_decay=weight_decay, fused=fused)
     if precision == "master":
         opt = MasterWeights(model, make, torch.bfloat16)
         return opt, opt.clip_grad_norm_
-    return make(model.parameters()), partial(nn.utils.clip_grad_norm_, list(model.parameters()))
+    params = list(model.parameters())
+
+    def clip(max_norm: float) -> torch.Tensor:
+        norm = nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+    return make(params), clip
 
 
 def select_attention(backend: str) -> None:

@@ -1,5 +1,6 @@
 """Parallel training on ``torch.distributed``: process launch (:mod:`effdl.parallel.launch`),
-data parallelism (:mod:`effdl.parallel.data_parallel`), pipeline parallelism
+data parallelism (:mod:`effdl.parallel.data_parallel`, with the embedding's rows averaged by
+:mod:`effdl.parallel.embedding_rows`), pipeline parallelism
 (:mod:`effdl.parallel.pipeline`) and tensor parallelism (:mod:`effdl.parallel.tensor`).
 
 The experiments on them: :mod:`effdl.parallel.classifiers` (the small models they train and
@@ -10,6 +11,7 @@ their shared batch order), :mod:`effdl.parallel.pipeline_training` and
 from effdl.parallel.activation_checkpoint import apply_activation_checkpointing
 from effdl.parallel.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from effdl.parallel.data_parallel import PARALLEL_MODES, gradient_sync, wrap_model
+from effdl.parallel.embedding_rows import EmbeddingRowsAverage
 from effdl.parallel.launch import (
     CpuShare,
     RankFailedError,
@@ -49,6 +51,7 @@ __all__ = [
     "Action",
     "ColumnParallelLinear",
     "CpuShare",
+    "EmbeddingRowsAverage",
     "ParallelLayerNorm",
     "ParallelMLP",
     "ParallelSelfAttention",

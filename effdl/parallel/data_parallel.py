@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from effdl.parallel.embedding_rows import EmbeddingRowsAverage, average_with_embedding_rows
+
 PARALLEL_MODES = ("none", "ddp", "fsdp")
 
 
@@ -35,6 +37,7 @@ def wrap_model(
     gradient_as_bucket_view: bool = True,
     broadcast_buffers: bool = False,
     reduce_dtype: torch.dtype = torch.float32,
+    embedding_tokens_per_step: int | None = None,
     init_seed: int | None = None,
 ) -> nn.Module:
     """``model`` (on ``device``, the same weights on every rank) made ready for data-parallel
@@ -62,6 +65,10 @@ def wrap_model(
     the Llama's only buffers, its rotary tables, are computed identically on every rank. Under
     NCCL each bucket is averaged inside its all-reduce (:func:`average_in_all_reduce`);
     ``reduce_dtype=torch.bfloat16`` sends the buckets in bf16 instead (:func:`average_in_bf16`).
+    ``embedding_tokens_per_step``: the token ids each rank feeds the model's one ``nn.Embedding``
+    per optimizer step (all micro-batches; the same on every rank); given, that embedding's
+    gradient is averaged over the rows looked up only (:func:`average_with_embedding_rows`): the same
+    mean, with a fraction of the bytes in the all-reduce that ends the backward.
     """
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel {parallel!r} is not one of {list(PARALLEL_MODES)}")
@@ -71,6 +78,9 @@ def wrap_model(
         raise ValueError(f"reduce_dtype {reduce_dtype} is not torch.float32 or torch.bfloat16")
     if reduce_dtype != torch.float32 and parallel != "ddp":
         raise ValueError(f"reduce_dtype {reduce_dtype} needs parallel='ddp', got {parallel!r}")
+    if embedding_tokens_per_step is not None and parallel != "ddp":
+        raise ValueError(f"embedding_tokens_per_step needs parallel='ddp', got {parallel!r}")
+    embedding = _the_embedding(model) if embedding_tokens_per_step is not None else None
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init_seed is None:
         raise ValueError("a model on the meta device needs init_seed to be materialised")
@@ -84,12 +94,24 @@ def wrap_model(
         _materialize_parts(model, device, init_seed, shard=None)
     if parallel == "ddp":
         ddp = _ddp(model, device, bucket_cap_mb, gradient_as_bucket_view, broadcast_buffers)
-        if reduce_dtype == torch.bfloat16:
+        if embedding is not None:
+            rows = EmbeddingRowsAverage(embedding, embedding_tokens_per_step, reduce_dtype)
+            ddp.register_comm_hook(rows, average_with_embedding_rows)
+        elif reduce_dtype == torch.bfloat16:
             ddp.register_comm_hook(None, average_in_bf16)
         elif dist.get_backend() == "nccl":
             ddp.register_comm_hook(None, average_in_all_reduce)
         return ddp
     return model
+
+
+def _the_embedding(model: nn.Module) -> nn.Embedding:
+    found = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if len(found) != 1:
+        raise ValueError(
+            f"embedding_tokens_per_step needs a model with one nn.Embedding, found {len(found)}"
+        )
+    return found[0]
 
 
 def _materialize_parts(

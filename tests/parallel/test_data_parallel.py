@@ -10,6 +10,7 @@ in another order, and Adam carries the difference into the next step's weights).
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import pytest
@@ -25,6 +26,9 @@ from effdl.parallel.data_parallel import average_in_all_reduce
 ARGS = TransformerModelArgs(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=16, seq_len=16
 )
+# A table whose rows looked up by both ranks in a step (2 x 64 ids) are under half of it, so the
+# embedding's gradient is averaged row-wise (effdl.parallel.embedding_rows).
+WIDE_VOCAB = dataclasses.replace(ARGS, vocab_size=1024)
 STEPS, GLOBAL_BATCH, MICRO_BATCHES = 4, 8, 2
 FP32_RTOL = 1e-5
 
@@ -40,9 +44,9 @@ def rank_device(rank: int, device_type: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build(device: torch.device) -> Transformer:
+def build(device: torch.device, args: TransformerModelArgs = ARGS) -> Transformer:
     """The test's Llama in float32 on ``device``, the same weights on every rank and device."""
-    model = build_on_meta(ARGS)
+    model = build_on_meta(args)
     torch.manual_seed(0)
     return materialize(model, device, torch.float32)
 
@@ -104,24 +108,29 @@ def data_parallel_losses(
     rank: int, world: int, parallel: str, device_type: str = "cpu", from_meta: bool = False
 ) -> dict[str, list[float]]:
     """This rank's per-step losses under ``parallel`` and the one-process reference's; with
-    ``from_meta`` the model reaches ``wrap_model`` unallocated, with the reference's seed."""
+    ``from_meta`` the model reaches ``wrap_model`` unallocated, with the reference's seed.
+    ``parallel="ddp-rows"``: DDP averaging the embedding's gradient row-wise (a wider table)."""
     device = rank_device(rank, device_type)
+    args = WIDE_VOCAB if parallel == "ddp-rows" else ARGS
     batches = global_batches(device)
-    reference = train(build(device), batches, 1, 1)
+    reference = train(build(device, args), batches, 1, 1)
     mine = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
     whole: list[int] = []
+    wrap = dict(embedding_tokens_per_step=mine[0][0].numel()) if parallel == "ddp-rows" else {}
+    parallel = parallel.removesuffix("-rows")
     if from_meta:
-        model = build_on_meta(ARGS)
+        model = build_on_meta(args)
         watch_full_tensors(model, whole)
-        model = wrap_model(model, parallel, False, False, device, world, init_seed=0)
+        model = wrap_model(model, parallel, False, False, device, world, init_seed=0, **wrap)
     else:
-        model = wrap_model(build(device), parallel, False, False, device, world)
+        model = wrap_model(build(device, args), parallel, False, False, device, world, **wrap)
     losses = train(model, mine, MICRO_BATCHES, world)
     return {"losses": losses, "reference": reference, "whole": whole}
 
 
 @pytest.mark.parametrize(
-    ("parallel", "from_meta"), [("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True)]
+    ("parallel", "from_meta"),
+    [("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True), ("ddp-rows", True)],
 )
 def test_training_equals_one_process_on_the_whole_batch(parallel, from_meta):
     results = spawn(data_parallel_losses, 2, parallel, "cpu", from_meta)
@@ -193,6 +202,67 @@ def test_ddp_can_send_its_gradients_in_bf16():
     torch.testing.assert_close(got[0]["ddp"], got[1]["ddp"], rtol=0, atol=0)  # one mean
 
 
+def embedding_rows_gradients(rank: int, world: int, device_type: str = "cpu") -> dict:
+    """Gradients after two micro-batches (synchronized on the second) under DDP averaging the
+    embedding whole and row-wise, beside a plain model's local ones; the row-wise hook's
+    gathers of token ids counted."""
+    device = rank_device(rank, device_type)
+    x, y = global_batches(device)[0]
+    parts = list(zip(x.chunk(world)[rank].chunk(2), y.chunk(world)[rank].chunk(2), strict=True))
+    plain, dense = build(device, WIDE_VOCAB), wrap_model(build(device, WIDE_VOCAB), "ddp", False, False, device, world)  # fmt: skip
+    rows = wrap_model(build(device, WIDE_VOCAB), "ddp", False, False, device, world, embedding_tokens_per_step=x.numel() // world)  # fmt: skip
+    gathers = []
+    gather = dist.all_gather_into_tensor
+
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return gather(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counted
+    for last, (xs, ys) in enumerate(parts):
+        for model in (plain, dense, rows):
+            with gradient_sync(model, bool(last)):
+                F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
+    dist.all_gather_into_tensor = gather
+    return {
+        "plain": flat_grad(plain),
+        "dense": flat_grad(dense),
+        "rows": flat_grad(rows),
+        "table": rows.module.tok_embeddings.weight.grad.cpu(),
+        "gathers": len(gathers),
+    }
+
+
+def test_ddp_averages_the_embedding_row_wise_to_the_dense_mean():
+    got = spawn(embedding_rows_gradients, 2)
+    looked_up = global_batches(torch.device("cpu"))[0][0].unique()
+    for rank_got in got:
+        assert rank_got["gathers"] == 1  # the row-wise path ran, once, at the synchronization
+        torch.testing.assert_close(rank_got["rows"], rank_got["dense"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            rank_got["rows"], (got[0]["plain"] + got[1]["plain"]) / 2, rtol=1e-5, atol=1e-7
+        )
+        touched = rank_got["table"].abs().sum(1) > 0
+        assert touched.nonzero().flatten().tolist() == looked_up.tolist()
+
+
+def wrong_token_count(rank: int, world: int) -> str:
+    device = rank_device(rank, "cpu")
+    x, y = global_batches(device)[0]
+    model = wrap_model(build(device, WIDE_VOCAB), "ddp", False, False, device, world, embedding_tokens_per_step=7)  # fmt: skip
+    try:
+        F.cross_entropy(model(x[:1]).flatten(0, 1), y[:1].flatten()).backward()
+    except Exception as e:  # raised inside DDP's hook, before any collective of the bucket
+        return str(e)
+    return "no error"
+
+
+def test_ddp_row_wise_averaging_refuses_another_token_count():
+    for message in spawn(wrong_token_count, 2):
+        assert "looked up 16 tokens since the last gradient synchronization, expected " \
+            "tokens_per_step=7" in message  # fmt: skip
+
+
 def register_average_hook(rank: int, world: int) -> bool:
     ddp = nn.parallel.DistributedDataParallel(build(rank_device(rank, "cpu")))
     ddp.register_comm_hook(None, average_in_all_reduce)  # DDP checks the hook's signature
@@ -219,6 +289,10 @@ def test_wrap_model_refuses_what_it_cannot_do():
         wrap_model(model, "fsdp", False, False, cpu, 1, reduce_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"is not torch\.float32 or torch\.bfloat16"):
         wrap_model(model, "ddp", False, False, cpu, 1, reduce_dtype=torch.float16)
+    with pytest.raises(ValueError, match="embedding_tokens_per_step needs parallel='ddp'"):
+        wrap_model(model, "fsdp", False, False, cpu, 1, embedding_tokens_per_step=8)
+    with pytest.raises(ValueError, match=r"needs a model with one nn\.Embedding, found 0"):
+        wrap_model(model, "ddp", False, False, cpu, 1, embedding_tokens_per_step=8)
     assert wrap_model(model, "none", False, False, cpu, 1) is model
 
 

@@ -8,9 +8,10 @@ CUDA devices; skipped elsewhere), each against its single-process reference:
 - tensor-parallel levels (column- and row-parallel linears, the one-collective MLP, the parallel
   LayerNorm, the Transformer block): outputs and gradients equal the single module's, in float64
   (the cases of test_tensor.py);
-- DDP and FSDP2 through ``wrap_model``: per-step losses of a small Llama trained with AdamW equal
-  one process trained on the whole batch, in float32 (the cases of test_data_parallel.py, whose
-  gloo twins run on the CPU).
+- DDP (the embedding's gradient averaged whole or row-wise) and FSDP2 through ``wrap_model``:
+  per-step losses of a small Llama trained with AdamW equal one process trained on the whole
+  batch, in float32, and the row-wise average equals the whole one exactly (the cases of
+  test_data_parallel.py, whose gloo twins run on the CPU).
 
 Every run has a deadline (:func:`spawn_within`): a deadlocked or hung rank fails its test instead
 of stalling the session. The deadline itself is tested on the CPU (gloo) at the end.
@@ -29,7 +30,13 @@ import torch
 import torch.distributed as dist
 
 from effdl.parallel import PipelineStage, accumulated_backward, spawn, split_sequential
-from tests.parallel.test_data_parallel import FP32_RTOL, data_parallel_losses, ddp_gradients
+from tests.parallel.test_data_parallel import (
+    FP32_RTOL,
+    data_parallel_losses,
+    ddp_gradients,
+    embedding_rows_gradients,
+    global_batches,
+)
 from tests.parallel.test_pipeline import F64_TOL, batches, build_model, single_threaded
 from tests.parallel.test_tensor import BLOCK_KINDS, compare_with_reference
 
@@ -156,7 +163,7 @@ def test_tensor_parallel_levels_equal_the_single_module():
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "ddp-rows"])
 def test_data_parallel_training_equals_one_process_on_the_whole_batch(parallel):
     for rank, got in enumerate(
         spawn_within(DEADLINE_S, data_parallel_losses, GPUS, parallel, "cuda")
@@ -177,6 +184,17 @@ def test_gradient_sync_keeps_ddp_gradients_local_until_the_last_micro_batch():
             rank_got["ddp_1"], (got[0]["plain_1"] + got[1]["plain_1"]) / 2, rtol=1e-5, atol=1e-7
         )
     assert not torch.allclose(got[0]["ddp_0"], got[1]["ddp_0"])
+
+
+@pytest.mark.multigpu
+def test_ddp_averages_the_embedding_row_wise_to_the_dense_mean():
+    got = spawn_within(DEADLINE_S, embedding_rows_gradients, GPUS, "cuda")
+    looked_up = global_batches(torch.device("cpu"))[0][0].unique()
+    for rank_got in got:
+        assert rank_got["gathers"] == 1
+        torch.testing.assert_close(rank_got["rows"], rank_got["dense"], rtol=0, atol=0)
+        touched = rank_got["table"].abs().sum(1) > 0
+        assert touched.nonzero().flatten().tolist() == looked_up.tolist()
 
 
 # -- the deadline, on the CPU -------------------------------------------------------------------
