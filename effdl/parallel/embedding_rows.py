@@ -107,7 +107,7 @@ class EmbeddingRowsAverage:
                 "the same on every rank)"
             )
         gathered = local.new_empty(world * local.numel())
-        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        _all_gather(gathered, local, group=self.group)
         return torch.sort(gathered).values
 
 
@@ -117,6 +117,13 @@ def average_with_embedding_rows(
     """DDP communication hook: ``bucket`` averaged over the ranks, the embedding of ``state``
     over the rows looked up since the last synchronization."""
     return state.average(bucket)
+
+
+def _all_gather(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Every rank's ``local`` (equal sizes) into ``output``, concatenated in rank order. torch
+    >= 2.14 names this collective ``all_gather_single`` (the older name warns)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
 
 
 def _first_occurrence(ids: torch.Tensor) -> torch.Tensor:

@@ -212,18 +212,19 @@ def embedding_rows_gradients(rank: int, world: int, device_type: str = "cpu") ->
     plain, dense = build(device, WIDE_VOCAB), wrap_model(build(device, WIDE_VOCAB), "ddp", False, False, device, world)  # fmt: skip
     rows = wrap_model(build(device, WIDE_VOCAB), "ddp", False, False, device, world, embedding_tokens_per_step=x.numel() // world)  # fmt: skip
     gathers = []
-    gather = dist.all_gather_into_tensor
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    gather = getattr(dist, name)
 
     def counted(*args, **kwargs):
         gathers.append(1)
         return gather(*args, **kwargs)
 
-    dist.all_gather_into_tensor = counted
+    setattr(dist, name, counted)
     for last, (xs, ys) in enumerate(parts):
         for model in (plain, dense, rows):
             with gradient_sync(model, bool(last)):
                 F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
-    dist.all_gather_into_tensor = gather
+    setattr(dist, name, gather)
     return {
         "plain": flat_grad(plain),
         "dense": flat_grad(dense),
