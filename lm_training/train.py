@@ -285,8 +285,8 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
         add_profile_ranges(model)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     fsdp_bf16 = cfg.precision == "fsdp-mp"
-    rows = cfg.batch_size * cfg.sequence_length * cfg.grad_accumulation if cfg.parallel == "ddp" and cfg.ddp_embedding == "rows" else None  # fmt: skip
-    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb, reduce_dtype=torch.bfloat16 if cfg.ddp_reduce == "bf16" else torch.float32, embedding_tokens_per_step=rows, init_seed=args.seed)  # fmt: skip
+    embedding_tokens = cfg.batch_size * cfg.sequence_length * cfg.grad_accumulation if cfg.parallel == "ddp" and cfg.ddp_embedding == "rows" else None  # fmt: skip
+    model = wrap_model(model, cfg.parallel, fsdp_bf16, cfg.compile, d.device, d.world, bucket_cap_mb=cfg.ddp_bucket_mb, reduce_dtype=torch.bfloat16 if cfg.ddp_reduce == "bf16" else torch.float32, embedding_tokens_per_step=embedding_tokens, init_seed=args.seed)  # fmt: skip
     model.train()
     opt, clip = optimizer_and_clip(model, cfg.precision, cfg.lr, cfg.weight_decay, cfg.fused_optimizer)  # fmt: skip
     autocast = cfg.dtype == "bf16" and cfg.precision == "autocast"

@@ -62,9 +62,7 @@ class EmbeddingRowsAverage:
             None,
         )  # fmt: skip
         world = dist.get_world_size(self.group)
-        ids = None if table is None else self._step_ids(world)
-        if ids is not None and 2 * ids.numel() >= table.shape[0]:
-            ids = None  # the looked-up rows are most of the table: send it whole
+        ids = None if table is None else self._step_ids(world, table.shape[0])
         if ids is None:
             pieces = [buffer]
         else:
@@ -96,8 +94,9 @@ class EmbeddingRowsAverage:
 
         return work.get_future().then(written_back)
 
-    def _step_ids(self, world: int) -> torch.Tensor:
-        """The token ids every rank looked up since the last synchronization, sorted."""
+    def _step_ids(self, world: int, table_rows: int) -> torch.Tensor | None:
+        """The token ids every rank looked up since the last synchronization, sorted; None
+        where they would be at least half the table's rows (it is then sent whole)."""
         tokens, self._tokens = self._tokens, []
         local = torch.cat(tokens) if tokens else self.weight.new_empty(0, dtype=torch.long)
         if local.numel() != self.tokens_per_step:
@@ -106,6 +105,8 @@ class EmbeddingRowsAverage:
                 f"synchronization, expected tokens_per_step={self.tokens_per_step} (per rank, "
                 "the same on every rank)"
             )
+        if 2 * world * local.numel() >= table_rows:
+            return None
         gathered = local.new_empty(world * local.numel())
         _all_gather(gathered, local, group=self.group)
         return torch.sort(gathered).values

@@ -202,15 +202,17 @@ def test_ddp_can_send_its_gradients_in_bf16():
     torch.testing.assert_close(got[0]["ddp"], got[1]["ddp"], rtol=0, atol=0)  # one mean
 
 
-def embedding_rows_gradients(rank: int, world: int, device_type: str = "cpu") -> dict:
+def embedding_rows_gradients(
+    rank: int, world: int, device_type: str = "cpu", args: TransformerModelArgs = WIDE_VOCAB
+) -> dict:
     """Gradients after two micro-batches (synchronized on the second) under DDP averaging the
     embedding whole and row-wise, beside a plain model's local ones; the row-wise hook's
     gathers of token ids counted."""
     device = rank_device(rank, device_type)
     x, y = global_batches(device)[0]
     parts = list(zip(x.chunk(world)[rank].chunk(2), y.chunk(world)[rank].chunk(2), strict=True))
-    plain, dense = build(device, WIDE_VOCAB), wrap_model(build(device, WIDE_VOCAB), "ddp", False, False, device, world)  # fmt: skip
-    rows = wrap_model(build(device, WIDE_VOCAB), "ddp", False, False, device, world, embedding_tokens_per_step=x.numel() // world)  # fmt: skip
+    plain, dense = build(device, args), wrap_model(build(device, args), "ddp", False, False, device, world)  # fmt: skip
+    rows = wrap_model(build(device, args), "ddp", False, False, device, world, embedding_tokens_per_step=x.numel() // world)  # fmt: skip
     gathers = []
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     gather = getattr(dist, name)
@@ -245,6 +247,13 @@ def test_ddp_averages_the_embedding_row_wise_to_the_dense_mean():
         )
         touched = rank_got["table"].abs().sum(1) > 0
         assert touched.nonzero().flatten().tolist() == looked_up.tolist()
+
+
+def test_ddp_sends_a_table_whole_where_the_looked_up_rows_are_half_of_it_or_more():
+    got = spawn(embedding_rows_gradients, 2, "cpu", ARGS)  # 2 x 64 ids, 96 rows
+    for rank_got in got:
+        assert rank_got["gathers"] == 0
+        torch.testing.assert_close(rank_got["rows"], rank_got["dense"], rtol=0, atol=0)
 
 
 def wrong_token_count(rank: int, world: int) -> str:
