@@ -200,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
     flags.add("grad_clip", type=float, help="max gradient norm; 0 = off")
     flags.add("fused_optimizer", action="store_true", help="fused AdamW (one pass if master)")
     flags.add("compile", action="store_true", help="torch.compile each block and the loss")
-    flags.add("attention", choices=ATTENTION_BACKENDS, help="SDPA backend; auto = torch's choice")
+    flags.add("attention", choices=[*ATTENTION_BACKENDS], help="SDPA backend; auto: torch's")
     flags.add("dtype", choices=["bf16", "fp32"], help="compute dtype; master weights stay fp32")
     flags.add(
         "precision",
@@ -278,8 +278,8 @@ def train(args: argparse.Namespace, cfg: TrainConfig, d: Dist) -> None:
     ) if cfg.eval_every else []  # fmt: skip
 
     # model, optimizer, compute mode
-    select_attention(cfg.attention)
     model = build_on_meta(margs)  # allocated by wrap_model: under FSDP2 one block at a time
+    select_attention(model, cfg.attention)
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.profile and not cfg.compile:
         add_profile_ranges(model)

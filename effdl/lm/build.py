@@ -14,15 +14,24 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from effdl.cli import UsageError, require_fits
 from effdl.models.llama import (
     PRESETS,
+    Attention,
     TransformerModelArgs,
 )
 from effdl.optim import MasterWeights
 
-ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+# SDPA backends a run may restrict attention to. The memory-efficient kernel is not one: it does
+# not take grouped key/value heads, and every preset has them.
+ATTENTION_BACKENDS: dict[str, list[SDPBackend] | None] = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
 
 
 def llama_args(
@@ -75,15 +84,16 @@ def optimizer_and_clip(
     return make(params), clip
 
 
-def select_attention(backend: str) -> None:
-    """Restrict ``F.scaled_dot_product_attention`` to one backend, process-wide ("auto": torch's
-    own choice). Set before the first forward, so compiled blocks trace with it."""
-    if backend == "auto":
-        return
-    torch.backends.cuda.enable_flash_sdp(backend == "flash")
-    torch.backends.cuda.enable_cudnn_sdp(backend == "cudnn")
-    torch.backends.cuda.enable_mem_efficient_sdp(backend == "efficient")
-    torch.backends.cuda.enable_math_sdp(backend == "math")
+def select_attention(model: nn.Module, backend: str) -> None:
+    """Restricts every Llama attention of ``model`` to one SDPA backend of
+    :data:`ATTENTION_BACKENDS` ("auto": torch's own choice). The choice is held by the modules
+    (:class:`effdl.models.llama.Attention`), not by process-wide flags, so compiled blocks trace
+    it whether or not the inductor cache already holds a graph compiled with another backend."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {list(ATTENTION_BACKENDS)}")
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sdpa_backends = ATTENTION_BACKENDS[backend]
 
 
 def check_llama_fits(

@@ -21,6 +21,7 @@ exact count in closed form.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig
@@ -191,6 +193,11 @@ class Attention(nn.Module):
 
     SDPA's ``enable_gqa`` lets the flash kernel read the shared heads in place instead of copying
     each of them ``n_heads / kv_heads`` times.
+
+    ``sdpa_backends`` (None: torch's choice) restricts SDPA to those kernels inside the forward
+    itself, so torch.compile traces the choice into the graph. Process-wide backend flags are not
+    enough there: a compiled graph loaded from the inductor cache keeps the kernel it was first
+    compiled with.
     """
 
     def __init__(self, args: TransformerModelArgs) -> None:
@@ -200,19 +207,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.sdpa_backends: list[SDPBackend] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            apply_rotary(q, cos, sin),
-            apply_rotary(k, cos, sin),
-            v,
-            is_causal=True,
-            enable_gqa=self.kv_heads != self.n_heads,
-        )
+        backends = self.sdpa_backends
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                apply_rotary(q, cos, sin),
+                apply_rotary(k, cos, sin),
+                v,
+                is_causal=True,
+                enable_gqa=self.kv_heads != self.n_heads,
+            )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
