@@ -38,7 +38,7 @@ RANGES = ["data_wait", "to_device", "forward", "backward", "optimizer"]
 S_METHOD = "How the study runs"
 S_STAGES = "The speed-up, stage by stage"
 S_STEP = "Where each stage's step time goes; memory; the loss curves"
-S_PROFILE = "What the profiler showed, and what each fix did"
+S_PROFILE = "Each fix in the profile"
 S_LN = "The fused LayerNorm"
 S_LN_PATH = "The fused_layer_norm stage with each LayerNorm"
 S_FLOOR = "The step against the datasheet rates"
@@ -115,7 +115,6 @@ def total_of(recs):
 
 
 total, total_lo, total_hi = total_of(measured)
-totals = [total_of(recs)[0] for recs in RUNS]
 
 
 # The profiled steps of each stage (Chrome traces committed beside the log).
@@ -241,19 +240,17 @@ def evidence(fix):
     return shows, fn(before), fn(after)
 
 
-def stage_answer(fix, fixed="found and fixed"):
-    """A stage's factor over the previous stage, its interval, the spread over the runs, the
-    verdict and the profiler row before -> after."""
+def stage_answer(fix, fixed="fixed"):
+    """A stage's factor over the previous stage with its interval (the main run), the verdict
+    over all runs and the profiler row before -> after (the replicate's factor: the appendix)."""
     if fix not in by_fix:
         return MISSING
     x, lo, hi = runs_factors[fix][0]
-    xs = [f[0] for f in runs_factors[fix]]
     v = over_runs(fix)
     head = fixed if v == "faster" else f"tried, {'slower' if v == 'slower' else 'within noise'}"
-    runs = f", {len(xs)} hosts {min(xs):.2f}-{max(xs):.2f}x" if len(xs) > 1 else ""
     _, b, a = evidence(fix)
     profile = "" if is_missing(b) else f"; {EVIDENCE[fix][1]} {b:.3g} -> {a:.3g}"
-    return f"{head}: {x:.2f}x [{lo:.2f}-{hi:.2f}]{runs}{profile}"
+    return f"{head}, {x:.2f}x [{lo:.2f}-{hi:.2f}]{profile}"
 
 
 def peak(fix):
@@ -317,14 +314,11 @@ TRITON_GRAPH = "fused graph frac copy" in TRITON
 
 
 def ln_kernel_answer(s):
-    """Kernel time (CUDA graph) torch / fused at the bf16 shapes, and the copy fraction."""
+    """Kernel time (CUDA graph) torch / Triton at the bf16 shapes."""
     if "graph torch/fused" not in s:
-        return f"kernel time {MISSING}"
+        return f"kernels alone {MISSING}"
     bf = s[s["dtype"] == "bf16"]["graph torch/fused"]
-    large = s[s["elements"] >= LARGE_ELEMENTS]["fused graph frac copy"]
-    return (f"the Triton kernels alone (CUDA graph) {bf.min():.2f}-{bf.max():.2f}x faster than "
-            f"torch's at the bf16 shapes, {large.min():.1%}-{large.max():.1%} of copy bandwidth at "
-            "large shapes")  # fmt: skip
+    return f"the Triton kernels alone {bf.min():.2f}-{bf.max():.2f}x faster than torch's (bf16, kernel time)"
 
 
 # The fused_layer_norm stage with each LayerNorm (speedup_stages.py --stages <before>,<it>
@@ -395,28 +389,22 @@ def ablation_factors(key):
 
 
 def ablation_answer():
-    """Each LayerNorm variant in the fused_layer_norm stage against nn.LayerNorm (the stage
-    before) in its own process, per run, with intervals."""
-    if not ablation or not ablation_before:
-        return MISSING
-    parts = [f"{ABLATION[k]} {factor_list(ablation_factors(k))}" for k in ablation]
-    ref = next(iter(ablation.values()))
-    peaks = sorted({f"{r['metrics']['peak_mem_gib']:.2f}" for v in ablation.values() for r in v})
-    return (f"stage {LN_STAGE} against {LN_BEFORE} in the same process, per run (x, > 1 "
-            f"faster; {len(ref)} runs per variant, {device_name(ref[0]['env'])}): "
-            + "; ".join(parts) + f"; peak memory {'-'.join(peaks)} GiB with each")  # fmt: skip
+    """The Triton kernels in place of torch's in the fused_layer_norm stage, against nn.LayerNorm
+    in the same process, per run (> 1: faster)."""
+    if "triton_kernels" not in ablation or not ablation_before:
+        return f"with the Triton kernels {MISSING}"
+    fs = ablation_factors("triton_kernels")
+    return f"with the Triton kernels instead {', '.join(f'{x:.2f}x' for x, _, _ in fs)} ({len(fs)} runs)"
 
 
 def ln_training_answer():
-    """The fused_layer_norm stage in the study, with the kernels its input takes."""
+    """The fused_layer_norm stage in the study (the kernels its input takes), the same stage with
+    the Triton kernels, and the Triton kernels alone."""
     if "fused_layer_norm" not in by_fix:
         return MISSING
-    where = (  # why that path: the section's text
-        ""
-        if STUDY_LN_PATH is None
-        else f"FusedLayerNorm runs {STUDY_LN_PATH} at the study's input; "
-    )
-    return where + with_peak("fused_layer_norm")
+    where = "" if STUDY_LN_PATH is None else f" ({STUDY_LN_PATH} at its input)"
+    return (f"in the study{where}: {with_peak('fused_layer_norm')}; {ablation_answer()}; "
+            f"{ln_kernel_answer(TRITON)}")  # fmt: skip
 
 
 # The loop mistakes planted in stage 0 (the stages between the setup and the bonuses); the stages
@@ -440,29 +428,23 @@ MISTAKES = {  # fix -> the mistake it removes, as the answers table names it
 def count_answer():
     """How many planted mistakes were found and fixed (faster beyond noise in every run)."""
     every = {1: "the one host", 2: "both hosts"}.get(len(RUNS), f"all {len(RUNS)} hosts")
-    return (f"{len(FIXED)} of the {len(PLANTED)} planted mistakes, faster beyond noise on {every} "
-            f"measured: {', '.join(FIXED) or 'none'}; tried, not a fix: "
-            f"{', '.join(f'{f} ({over_runs(f)})' for f in TRIED) or 'none'}. "
-            f"At least {REQUIRED_FIXES} needed: {'met' if len(FIXED) >= REQUIRED_FIXES else 'not met'}")  # fmt: skip
+    return (f"{len(FIXED)} of {len(PLANTED)}, faster beyond noise on {every}; tried, not a fix: "
+            f"{', '.join(f'{f} ({over_runs(f)})' for f in TRIED) or 'none'}; "
+            f"{REQUIRED_FIXES} needed: {'met' if len(FIXED) >= REQUIRED_FIXES else 'not met'}")  # fmt: skip
 
 
 answers = [
-    Answer("Setup fixed from the AMP and data parts (stages 1-2)",
-           f"AMP {CFG['amp_dtype']}: {stage_answer('amp', 'faster')}. Packing: "
+    Answer("Setup from the AMP and data parts (stages 1-2)",
+           f"AMP {CFG['amp_dtype']} {stage_answer('amp', 'faster')}; packing "
            f"{stage_answer('packing', 'faster')}", S_PROFILE),
-    *[Answer(f"Inefficiency: {MISTAKES.get(fix, fix)}", stage_answer(fix), S_PROFILE)
-      for fix in PLANTED],
-    Answer("Inefficiencies found and fixed (the first 5 are graded)", count_answer(), S_PROFILE),
-    Answer("Total speed-up of training; each stage's is in its own row (report)",
-           f"{total:.1f}x [{total_lo:.1f}-{total_hi:.1f}]: stage 0 "
-           f"{first['metrics']['tokens_per_s']:,.0f} -> {name(last)} "
-           f"{last['metrics']['tokens_per_s']:,.0f} real tokens/s ({GPU})"
-           + (f"; {len(totals)} hosts {min(totals):.1f}-{max(totals):.1f}x" if len(totals) > 1 else ""),
-           S_STAGES),
-    Answer("Bonus: FusedLayerNorm in training, speed and memory", ln_training_answer(), S_LN_PATH),
-    Answer(f"Bonus: FusedLayerNorm at stage {LN_STAGE}, torch's kernel vs the Triton kernels",
-           ablation_answer(), S_LN_PATH),
-    Answer("Bonus: fused LayerNorm kernels alone", ln_kernel_answer(TRITON), S_LN),
+    *[Answer(f"Inefficiency {i}: {MISTAKES.get(fix, fix)}", stage_answer(fix), S_PROFILE)
+      for i, fix in enumerate(PLANTED, 1)],
+    Answer("Inefficiencies found and fixed (first 5 graded)", count_answer(), S_PROFILE),
+    Answer("Total speed-up; each stage's (report)",
+           f"{total:.1f}x [{total_lo:.1f}-{total_hi:.1f}]: {first['metrics']['tokens_per_s']:,.0f} "
+           f"-> {last['metrics']['tokens_per_s']:,.0f} real tokens/s, stage 0 -> {name(last)} "
+           f"({GPU}); each stage's in the section", S_STAGES),
+    Answer("Bonus: FusedLayerNorm, speed and memory", ln_training_answer(), S_LN_PATH),
     Answer("Bonus: torch.compile, speed and memory", with_peak("compile"), S_STAGES),
 ]  # fmt: skip
 

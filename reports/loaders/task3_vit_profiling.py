@@ -648,14 +648,15 @@ def fixes_answer():
             f"{NOT_MEASURED}: the noise band needs at least {MIN_FIXED_RUNS} runs of the fixed "
             f"pipeline and these logs hold {N_FIXED}; no change is counted"
         )
+    undone = ", ".join(dict.fromkeys(f"#{n}" for n in FASTER_UNDONE["#"])) or "none"
     return (
         f"**{len(UNITS_OK)}** beyond noise: {', '.join(unit_label(u) for u in UNITS_OK) or 'none'}; "
-        f"faster when undone {undone_faster_text()}"
+        f"faster when undone, within noise: {undone}"
     )
 
 
 def change_answer(n):
-    # One inefficiency's row: where it sits as given, the fix, and its verdict with numbers.
+    # One inefficiency's row: the code that holds it as given, the fix, and its verdict.
     v = verdicts(n)
     if not len(v):
         got = f"{NOT_MEASURED} (no run undoes it)"
@@ -667,23 +668,19 @@ def change_answer(n):
                 if r["metric"].startswith("training wait")
                 else f"{step_vs(r)} undone vs fixed"
             )
-            + (", faster undone" if r["undone - fixed"] < 0 else "")
             + f", {r['verdict'].removesuffix(' (tried)')}"
             for _, r in v.iterrows()
         )
-    return f"{WHERE[n][1]}; fix: {CHANGES[n][2]}. {got}"
+    return f"{WHERE[n][1].split(' (')[0]}; fix: {CHANGES[n][2]}. {got}"
 
 
 answers = [
-    Answer("Forward: embedding, attention (self-attention, feed-forward)",
-           f"fixed model, {PROF_GPU}{MOD_BATCH}, GPU kernels per iteration: patch embedding "
+    Answer("Forward: embedding, attention (self-attention, feed-forward), nn.Softmax, nn.GELU",
+           f"GPU kernels per iteration, fixed model ({PROF_GPU}{MOD_BATCH}): patch embedding "
            f"{kern(pf, 'patch embedding')}, self-attention {kern(pf, 'attention (self-attention part)')}, "
-           f"feed-forward {kern(pf, 'feed-forward')} of a {kern(pf, 'whole ViT')} forward "
-           f"(as-given model: {kern(pa, 'whole ViT')})", "Forward pass per part"),
-    Answer("Forward: nn.Softmax, nn.GELU",
-           f"Softmax {kern(pa, 'Softmax')} (as-given model; the fixed one fuses it into "
-           f"scaled_dot_product_attention), GELU {kern(pf, 'GELU')} per iteration",
-           "Forward pass per part"),
+           f"feed-forward {kern(pf, 'feed-forward')}, GELU {kern(pf, 'GELU')} of a "
+           f"{kern(pf, 'whole ViT')} forward; Softmax {kern(pa, 'Softmax')} in the as-given model "
+           f"(forward {kern(pa, 'whole ViT')})", "Forward pass per part"),
     Answer("Backward vs forward",
            f"{measured(mid['backward ms'] if mid is not None else np.nan, '.2f', ' ms')} vs "
            f"{measured(mid['forward ms'] if mid is not None else np.nan, '.2f', ' ms')} of kernels in one "
