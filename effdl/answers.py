@@ -7,6 +7,7 @@ A report's first code cell builds its rows from the run logs and displays these 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,16 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+# A number formatted from a NaN or an infinity ("nan ms", "nanx", "inf%"), not a word that starts so.
+_NOT_A_NUMBER = re.compile(r"(?<![A-Za-z])(nan|-?inf)(?![a-wyzA-Z])")
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Markdown table text; a row that prints a NaN or an infinity is refused (ValueError naming
+    the row), so a missing value is said in words ("not measured") or not said at all."""
+    for row in rows:
+        if any(_NOT_A_NUMBER.search(str(cell)) for cell in row):
+            raise ValueError(f"table row {row[0]!r} prints a NaN or an infinity: {list(row)}")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -1,5 +1,7 @@
 """The answers and targets tables against tables written out by hand."""
 
+import pytest
+
 from effdl.answers import Answer, Target, anchor, answers_table, targets_table
 
 
@@ -26,3 +28,18 @@ def test_targets_table_says_met_not_met_or_not_measured():
         "| peak < 90% | not measured | not measured |",
     ]
     assert "не выполнено" in targets_table(rows, lang="ru")
+
+
+@pytest.mark.parametrize(
+    "printed", ["nan ms", "the backward of GELU nanx", "inf%", "-inf", "(nan)"]
+)
+def test_a_row_printing_nan_or_inf_is_refused(printed):
+    with pytest.raises(ValueError, match="'Backward vs forward' prints a NaN or an infinity"):
+        answers_table([Answer("Backward vs forward", printed, "Trace")])
+    with pytest.raises(ValueError, match="prints a NaN or an infinity"):
+        targets_table([Target("Backward vs forward", printed, True)])
+
+
+@pytest.mark.parametrize("words", ["nanoseconds", "information", "infinite loss refused", "Nan"])
+def test_words_that_start_like_nan_or_inf_pass(words):
+    assert words in answers_table([Answer("Asked", words, "Trace")])

@@ -529,7 +529,9 @@ pf, pa = PARTS.get("fixed"), PARTS.get("as_given")
 
 
 def kern(t, part):
-    return measured(at(t, "GPU kernels ms / iter", part) if t is not None else np.nan, ".2f", " ms")
+    # A part's GPU kernel time per iteration; "not measured" where the trace has none (a CPU run).
+    ms = at(t, "GPU kernels ms / iter", part) if t is not None else np.nan
+    return measured(ms if ms > 0 else np.nan, ".2f", " ms")
 
 
 mid = IT.iloc[len(IT) // 2] if IT is not None else None
@@ -580,7 +582,8 @@ def op_pairs():
         ("aten::_cudnn_attention_forward", "aten::_cudnn_attention_backward"),
         ("aten::gelu", "aten::gelu_backward"),
     )
-    return [(f, b, per_op[f], per_op[b]) for f, b in pairs if f in per_op and b in per_op]
+    return [(f, b, per_op[f], per_op[b]) for f, b in pairs
+            if f in per_op and b in per_op and per_op[f] > 0]  # fmt: skip
 
 
 OP_NAMES = {"aten::native_layer_norm": "LayerNorm", "aten::_cudnn_attention_forward": "attention",
@@ -674,19 +677,22 @@ def change_answer(n):
     return f"{WHERE[n][1].split(' (')[0]}; fix: {CHANGES[n][2]}. {got}"
 
 
+NO_KERNELS = f"{NOT_MEASURED}: the profile holds no GPU kernels ({PROF_GPU})"
 answers = [
     Answer("Forward: embedding, attention (self-attention, feed-forward), nn.Softmax, nn.GELU",
+           NO_KERNELS if kern(pf, "whole ViT") == NOT_MEASURED else
            f"GPU kernels per iteration, fixed model ({PROF_GPU}{MOD_BATCH}): patch embedding "
            f"{kern(pf, 'patch embedding')}, self-attention {kern(pf, 'attention (self-attention part)')}, "
            f"feed-forward {kern(pf, 'feed-forward')}, GELU {kern(pf, 'GELU')} of a "
            f"{kern(pf, 'whole ViT')} forward; Softmax {kern(pa, 'Softmax')} in the as-given model "
            f"(forward {kern(pa, 'whole ViT')})", "Forward pass per part"),
-    Answer("Backward vs forward",
+    Answer("Backward vs forward", NO_KERNELS if not ratio > 0 else
            f"{measured(mid['backward ms'] if mid is not None else np.nan, '.2f', ' ms')} vs "
            f"{measured(mid['forward ms'] if mid is not None else np.nan, '.2f', ' ms')} of kernels in one "
-           f"iteration: **{measured(ratio, '.2f', 'x')}**; the GEMMs' FLOPs give 2x, the backward of "
-           + ", ".join(f"{OP_NAMES[f]} {tb / tf:.1f}x" for f, _, tf, tb in BWD_PAIRS[:2])
-           + " its forward", "Trace: one training iteration"),
+           f"iteration: **{measured(ratio, '.2f', 'x')}**; the GEMMs' FLOPs give 2x"
+           + ("" if not BWD_PAIRS else ", the backward of "
+              + ", ".join(f"{OP_NAMES[f]} {tb / tf:.1f}x" for f, _, tf, tb in BWD_PAIRS[:2])
+              + " its forward"), "Trace: one training iteration"),
     Answer("Several training iterations",
            (f"{len(IT)} iterations recorded, each {IT['iteration ms (host)'].min():.0f}-"
             f"{IT['iteration ms (host)'].max():.0f} ms on the host, GPU busy {IT['GPU busy ms'].min():.1f}-"
