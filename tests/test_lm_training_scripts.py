@@ -6,8 +6,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -350,6 +352,12 @@ def test_ctrl_c_mid_run_keeps_every_step_run(cache, tmp_path):
     assert evaluated[:2] == [3, 7] and evaluated[-1] < len(steps)
 
 
+def ends(text: str, n: int = 2000) -> str:
+    """The first and the last ``n`` characters: a rank's own error comes first in torchrun's
+    stderr, torchrun's summary last."""
+    return text if len(text) <= 2 * n else f"{text[:n]}\n...\n{text[-n:]}"
+
+
 def torchrun_losses(cache: Path, out: Path, nproc: int, *extra: str) -> list[float]:
     """Per-step losses of a quick run under torchrun with ``nproc`` gloo processes."""
     cmd = [
@@ -363,9 +371,17 @@ def torchrun_losses(cache: Path, out: Path, nproc: int, *extra: str) -> list[flo
         *quick_args(cache, out, "--steps", "5", "--eval-every", "0", "--log-every", "5"),
         *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # faulthandler: a rank killed by a signal prints its Python stack
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[:4000]
+    if done.returncode != 0 and "SIGABRT" in done.stderr:
+        # A gloo rank has, rarely and not reproducibly, aborted from a C++ thread ("terminate
+        # called without an active exception"); the run is repeated once and the abort reported
+        # in the warnings summary. Any other failure, or a second abort, fails the test.
+        warnings.warn(f"torchrun: a rank aborted, run repeated:\n{ends(done.stderr)}", stacklevel=2)
+        shutil.rmtree(out, ignore_errors=True)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, ends(done.stderr)
     lines = (out / train.LOG).read_text().splitlines()
     return [json.loads(x)["metrics"]["loss"] for x in lines if '"step"' in x and "_eval" not in x][
         :5
