@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from effdl.cli import UsageError
 from effdl.lm import data as lm_data
 from effdl.lm.build import select_attention
 from effdl.lm.processes import Dist
 from effdl.lm.throughput import CEILINGS, PendingSteps, Rates, measured_bf16_ceiling
+from effdl.models.llama import PRESETS, build_on_meta, materialize
 from effdl.results import read_records
 from tests.interrupting import interrupt_after, whole_records
 from tests.log_values import non_finite
@@ -505,8 +507,6 @@ def test_select_attention_holds_the_backend_inside_every_attention_call(
 ):
     """The backend is in force during each block's SDPA call and nowhere else: the choice lives in
     the model, so a compiled block traces it (process-wide flags are read once per cached graph)."""
-    from effdl.models.llama import PRESETS, build_on_meta, materialize
-
     model = materialize(build_on_meta(PRESETS["tiny"]), "cpu")
     sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
 
@@ -533,10 +533,6 @@ def test_select_attention_holds_the_backend_inside_every_attention_call(
 def test_compiled_blocks_run_the_selected_attention_kernel_after_another_was_compiled():
     """Compiled one after the other in one process (the inductor cache holding the previous
     backend's graph), each model runs the kernel it asked for; outputs agree to bf16 tolerance."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from effdl.models.llama import PRESETS, build_on_meta, materialize
-
     args = dataclasses.replace(PRESETS["tiny"], dim=256, n_heads=4, n_kv_heads=2, seq_len=256)
     tokens = torch.randint(0, args.vocab_size, (2, 256), device="cuda")
     kernels = {"flash": "pytorch_flash", "cudnn": "cudnn"}
